@@ -1,0 +1,41 @@
+"""tim-enhancer: real-time speech enhancement with a causal Transformer with Independent Mechanisms.
+
+Inference (`Enhancer`, `StreamingEnhancer`) needs numpy, onnxruntime, soundfile and soxr only;
+`build_model`, `save_checkpoint` and `load_checkpoint` import torch when called.
+"""
+from .config import ModelConfig, STFTConfig
+from .errors import AudioDecodeError, AudioError, CheckpointError, EnhancerError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig", "STFTConfig", "build_model", "save_checkpoint", "load_checkpoint",
+    "Enhancer", "StreamingEnhancer", "EnhancerError", "AudioError", "AudioDecodeError", "CheckpointError",
+]
+
+
+def build_model(config):
+    """Torch module for a `ModelConfig` or preset name (imports torch)."""
+    from .model import build_model as _build
+
+    return _build(config)
+
+
+def save_checkpoint(model, config, path, **extra):
+    from .checkpoint import save_checkpoint as _save
+
+    return _save(model, config, path, **extra)
+
+
+def load_checkpoint(path, config=None):
+    from .checkpoint import load_checkpoint as _load
+
+    return _load(path, config)
+
+
+def __getattr__(name):
+    if name in ("Enhancer", "StreamingEnhancer"):
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'enhancer' has no attribute {name!r}")

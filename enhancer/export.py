@@ -1,0 +1,108 @@
+"""Export the streaming step graph to ONNX, check it, and compare onnxruntime against torch.
+
+The ONNX file is self-contained: weights, DFT bases, normalisation statistics, and metadata
+(`tim_enhancer.config` JSON, cache layout, delay) that the runtime reads. No side files.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+
+OPSET = 17
+META_PREFIX = "tim_enhancer."
+
+
+def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: int = 0, verbose: bool = False) -> dict:
+    """Write `model`'s step graph to `path`. Returns a report with the max abs difference between
+    onnxruntime and torch over `n_check_steps` steps of random audio (default: 2 x window)."""
+    import onnx
+    import torch
+
+    from . import __version__
+    from .model import StreamingStep, count_parameters, init_caches
+    from .model.step import input_names, output_names
+
+    cfg: ModelConfig = model.config
+    step = StreamingStep(model).eval()
+    names_in, names_out = input_names(cfg), output_names(cfg)
+    hop = cfg.stft.hop
+    caches = [torch.from_numpy(c) for c in init_caches(cfg, batch)]
+    args = (torch.zeros(batch, hop), torch.zeros(batch), torch.zeros(batch, dtype=torch.long), *caches)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            step, args, str(path), dynamo=False, opset_version=OPSET, input_names=names_in,
+            output_names=names_out, dynamic_axes={n: {0: "batch"} for n in names_in + names_out},
+            do_constant_folding=True,
+        )
+    proto = onnx.load(str(path))
+    meta = {
+        "config": json.dumps(cfg.to_dict()),
+        "version": __version__,
+        "parameters": str(count_parameters(model)),
+        "delay_samples": str(cfg.delay_samples),
+        "latency_ms": str(cfg.algorithmic_latency_ms),
+        "inputs": json.dumps(names_in),
+        "outputs": json.dumps(names_out),
+    }
+    for k, v in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = META_PREFIX + k, v
+    proto.producer_name = "tim-enhancer"
+    proto.doc_string = f"tim-enhancer streaming step graph, preset {cfg.name}"
+    onnx.save(proto, str(path))
+    report = {"path": str(path), "parameters": count_parameters(model), "bytes": path.stat().st_size}
+    if check:
+        onnx.checker.check_model(str(path), full_check=True)
+        report["max_abs_diff"] = compare_with_torch(step, path, batch, n_check_steps or 2 * cfg.window + 8)
+        if verbose:
+            print(f"onnxruntime vs torch over {n_check_steps or 2 * cfg.window + 8} steps: max abs diff {report['max_abs_diff']:.3g}")
+    return report
+
+
+def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0) -> float:
+    """Run the same random audio through torch and onnxruntime step by step (streams at different
+    positions); max abs difference of the output audio."""
+    import onnxruntime as ort
+    import torch
+
+    from .model.step import init_caches, output_names, state_specs, write_rings
+
+    cfg = step.config
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    n_state = len(state_specs(cfg))
+    n_head = len(output_names(cfg)) - n_state
+    np_c = init_caches(cfg, batch)
+    t_c = [torch.from_numpy(c.copy()) for c in np_c]
+    pos = np.arange(batch, dtype=np.int64) * 0
+    min_gain = np.linspace(0.0, 0.3, batch).astype(np.float32)
+    names = [i.name for i in sess.get_inputs()]
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(n_steps):
+            hop = (rng.standard_normal((batch, cfg.stft.hop)) * 0.1).astype(np.float32)
+            o = sess.run(None, dict(zip(names, [hop, min_gain, pos, *np_c])))
+            t = step(torch.from_numpy(hop), torch.from_numpy(min_gain), torch.from_numpy(pos), *t_c)
+            worst = max(worst, float(np.abs(o[0] - t[0].numpy()).max()))
+            write_rings(np_c[n_state:], o[n_head - 1], pos, cfg.window)
+            write_rings(t_c[n_state:], t[n_head - 1], torch.from_numpy(pos), cfg.window)
+            np_c[:n_state], t_c[:n_state] = o[n_head:], list(t[n_head:])
+            pos = pos + 1
+    return worst
+
+
+def read_metadata(path) -> dict:
+    """The tim-enhancer metadata of an exported model (config parsed into a ModelConfig)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    meta = {p.key[len(META_PREFIX):]: p.value for p in proto.metadata_props if p.key.startswith(META_PREFIX)}
+    return meta

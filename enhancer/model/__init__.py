@@ -1,0 +1,14 @@
+"""Torch model (training, export, reference). Imported only where torch is wanted."""
+from .net import TIMNet, count_parameters, loss_fn
+from .step import StreamingStep, cache_specs, init_caches
+
+__all__ = ["TIMNet", "StreamingStep", "cache_specs", "init_caches", "count_parameters", "loss_fn", "build_model"]
+
+
+def build_model(config) -> TIMNet:
+    """Build the torch module for a `ModelConfig` (or a preset name)."""
+    from ..config import ModelConfig
+
+    if isinstance(config, str):
+        config = ModelConfig.preset(config)
+    return TIMNet(config)

@@ -1,0 +1,118 @@
+"""Encoder blocks: the ordinary Transformer block and the TIM block (paper, Algorithm 1).
+
+One class serves both: a block with one mechanism and no competition is an ordinary post-norm
+Transformer block; with n_s > 1 mechanisms it is a TIM block:
+
+1. competition   c = softmax over mechanisms of GroupLinear(h, d_mech -> 1)   (TIM-Comp only)
+2. mechanism-wise self-attention (heads divide among mechanisms, grouped Q/K/V/O),
+   h = norm(h + c * M) with a per-mechanism norm
+3. inter-mechanism attention (2 heads x 32 units) across mechanisms at each position
+4. mechanism-wise FFN, h = norm(h + F)
+
+Self-attention is causal and limited to a window of W frames. `forward` runs a whole sequence;
+`step` runs one frame against a key/value ring buffer of W slots written at `pos % W`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import GroupedLinear, GroupLayerNorm, attend
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, mechanisms: int, competition: bool):
+        super().__init__()
+        g = mechanisms
+        self.g, self.dm = g, cfg.d_model // g
+        self.heads_per_mech = cfg.n_heads // g
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.window, self.slope = cfg.window, cfg.leaky_slope
+        hd = self.heads_per_mech * self.head_dim  # = dm
+        self.competition = GroupedLinear(g, self.dm, 1) if competition and g > 1 else None
+        self.qkv = GroupedLinear(g, self.dm, 3 * hd)
+        self.out = GroupedLinear(g, hd, self.dm)
+        self.norm_attn = GroupLayerNorm(g, self.dm)
+        if g > 1:
+            self.inter_heads, self.inter_dim = cfg.inter_heads, cfg.inter_head_dim
+            self.inter_qkv = GroupedLinear(g, self.dm, 3 * cfg.inter_heads * cfg.inter_head_dim)
+            self.inter_out = GroupedLinear(g, cfg.inter_heads * cfg.inter_head_dim, self.dm)
+            self.norm_inter = GroupLayerNorm(g, self.dm)
+        self.ffn_in = GroupedLinear(g, self.dm, cfg.d_ffn // g)
+        self.ffn_out = GroupedLinear(g, cfg.d_ffn // g, self.dm)
+        self.norm_ffn = GroupLayerNorm(g, self.dm)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _compete(self, h: torch.Tensor) -> torch.Tensor | None:
+        if self.competition is None:
+            return None
+        return torch.softmax(self.competition(h), dim=-2)  # (B, T, G, 1)
+
+    def _qkv(self, h: torch.Tensor):
+        b, t = h.shape[:2]
+        qkv = self.qkv(h).view(b, t, self.g, 3, self.heads_per_mech, self.head_dim)  # (B, T, G, 3, Hg, dh)
+        qkv = qkv.permute(3, 0, 2, 4, 1, 5).reshape(3, b, self.n_heads, t, self.head_dim)  # (3, B, H, T, dh)
+        return qkv[0], qkv[1], qkv[2]
+
+    def _after_attention(self, h: torch.Tensor, m: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+        b, _, t, _ = m.shape
+        m = m.view(b, self.g, self.heads_per_mech, t, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, T, G, Hg, dh)
+        m = self.out(m.reshape(b, t, self.g, self.dm))  # (B, T, G, dm)
+        if c is not None:
+            m = c * m
+        h = self.norm_attn(h + self.drop(m))
+        if self.g > 1:
+            h = self.norm_inter(h + self.drop(self._inter(h)))
+        f = self.ffn_out(F.leaky_relu(self.ffn_in(h), self.slope))
+        return self.norm_ffn(h + self.drop(f))  # (B, T, G, dm)
+
+    def _inter(self, h: torch.Tensor) -> torch.Tensor:
+        """Attention across mechanisms at each position (mechanisms play the role of positions)."""
+        b, t = h.shape[:2]
+        qkv = self.inter_qkv(h).view(b, t, self.g, 3, self.inter_heads, self.inter_dim)
+        qkv = qkv.permute(3, 0, 1, 4, 2, 5)  # (3, B, T, Hc, G, dc)
+        s = (qkv[0] @ qkv[1].transpose(-1, -2)) * (self.inter_dim ** -0.5)  # (B, T, Hc, G, G)
+        m = torch.softmax(s, dim=-1) @ qkv[2]  # (B, T, Hc, G, dc)
+        m = m.permute(0, 1, 3, 2, 4).reshape(b, t, self.g, self.inter_heads * self.inter_dim)
+        return self.inter_out(m)  # (B, T, G, dm)
+
+    # ------------------------------------------------------------------ whole sequence
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        """x: (B, T, d_model), mask: (T, T) bool -> (B, T, d_model), competition (B, T, G) or None."""
+        b, t, _ = x.shape
+        h = x.view(b, t, self.g, self.dm)
+        c = self._compete(h)
+        q, k, v = self._qkv(h)  # (B, H, T, dh)
+        m = attend(q, k, v, mask)  # (B, H, T, dh)
+        h = self._after_attention(h, m, c)
+        return h.reshape(b, t, -1), (None if c is None else c[..., 0])
+
+    # ------------------------------------------------------------------ one frame
+    def step(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor):
+        """One frame against the key/value ring buffer of this layer.
+
+        x: (B, 1, d_model); k/v_cache: (B, H, W, dh), slot `p % W` holding frame p's key/value for
+        the W most recent frames p < pos; pos: (B,) int64 index of this frame in its stream.
+        The caches are only read: the frame's own key/value are returned as rows (B, H, dh) for
+        the caller to write into slot `pos % W` in place (a graph output would be a full copy).
+        Returns y (B, 1, d_model), k_row, v_row, competition (B, G) or None.
+        """
+        b = x.shape[0]
+        h = x.view(b, 1, self.g, self.dm)
+        c = self._compete(h)
+        q, k, v = self._qkv(h)  # (B, H, 1, dh)
+        scale = self.head_dim ** -0.5
+        slots = torch.arange(self.window, device=x.device)[None, :]  # (1, W)
+        # slot j holds frame pos - W + ((j - pos) mod W); it is in the window unless it is the slot
+        # this frame replaces (frame pos - W) or was never written (j >= pos)
+        valid = (slots < pos[:, None]) & (slots != (pos % self.window)[:, None])  # (B, W)
+        s_cache = (q @ k_cache.transpose(-1, -2)) * scale  # (B, H, 1, W)
+        s_cache = s_cache.masked_fill(~valid[:, None, None, :], float("-inf"))
+        s_self = (q * k).sum(-1, keepdim=True) * scale  # (B, H, 1, 1)
+        p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)  # (B, H, 1, W+1)
+        m = p[..., : self.window] @ v_cache + p[..., self.window:] * v  # (B, H, 1, dh)
+        h = self._after_attention(h, m, c)
+        return h.reshape(b, 1, -1), k[:, :, 0], v[:, :, 0], (None if c is None else c[:, 0, :, 0])

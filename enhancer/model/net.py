@@ -1,0 +1,106 @@
+"""The enhancement network: normalised log-magnitude in, bounded gain on the noisy magnitude out.
+
+    logmag (B, T, F) -> normalise -> pre-encoder (4 conv) -> [proj] -> 8 encoder blocks -> linear -> sigmoid
+
+The estimate of the clean log-magnitude is `log(gain * |X| + eps)`; the training loss is the MSE
+between it and the clean log-magnitude (paper A.2). Resynthesis uses the noisy phase.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from . import features
+from .blocks import EncoderBlock
+from .layers import window_mask
+from .preencoder import PreEncoder
+
+
+class TIMNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        f = cfg.n_freqs
+        self.register_buffer("feat_mean", torch.zeros(f))
+        self.register_buffer("feat_std", torch.ones(f))
+        self.pre = PreEncoder(f, cfg.conv_channels, cfg.kernel_size, cfg.leaky_slope)
+        c_out = cfg.conv_channels[-1]
+        self.proj = nn.Linear(c_out, cfg.d_model) if c_out != cfg.d_model else nn.Identity()
+        self.blocks = nn.ModuleList(
+            EncoderBlock(cfg, cfg.n_mechanisms, cfg.competition) if cfg.is_tim_layer(i) else EncoderBlock(cfg, 1, False)
+            for i in range(cfg.n_layers)
+        )
+        self.head = nn.Linear(cfg.d_model, f)
+
+    # ------------------------------------------------------------------ normalisation
+    def set_normalization(self, mean, std) -> None:
+        mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
+        std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
+        if mean.numel() != self.config.n_freqs or std.numel() != self.config.n_freqs:
+            raise ValueError(f"normalisation statistics need {self.config.n_freqs} values per bin")
+        if not torch.isfinite(mean).all() or not (std > 0).all():
+            raise ValueError("normalisation statistics must be finite with std > 0")
+        self.feat_mean.copy_(mean)
+        self.feat_std.copy_(std)
+
+    def normalize(self, logmag: torch.Tensor) -> torch.Tensor:
+        return (logmag - self.feat_mean) / self.feat_std
+
+    # ------------------------------------------------------------------ whole sequence
+    def forward(self, logmag: torch.Tensor, pad_end: bool = True):
+        """logmag: (B, T, F) noisy log(|X| + eps).
+
+        Returns gains (B, T, F) in (0, 1) for frames 0..T-1 and the competition scores
+        (B, T, n_tim_layers, n_s) (None without competition). Frame t depends on input frames
+        <= t + lookahead only. With `pad_end` the last `lookahead` frames see silence as their
+        future; with `pad_end=False` the output has T - lookahead frames and no padding is used.
+        """
+        cfg = self.config
+        la = cfg.lookahead
+        x = self.normalize(logmag)
+        if pad_end and la:
+            silence = torch.full_like(logmag[:, :la], torch.log(torch.tensor(cfg.log_eps)).item())
+            x = torch.cat([x, self.normalize(silence)], dim=1)  # (B, T+L, F)
+        x = self.proj(self.pre(x))  # (B, S, d_model); step s belongs to frame s - L
+        mask = window_mask(x.shape[1], cfg.window, x.device)
+        comps = []
+        for block in self.blocks:
+            x, c = block(x, mask)
+            if c is not None:
+                comps.append(c)
+        gains = torch.sigmoid(self.head(x[:, la:]))  # (B, T', F)
+        comp = torch.stack(comps, dim=2)[:, la:] if comps else None  # (B, T', n_tim, n_s)
+        return gains, comp
+
+    def estimate_logmag(self, logmag: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+        """Clean log-magnitude estimate log(gain * |X| + eps) from noisy log(|X| + eps)."""
+        eps = self.config.log_eps
+        mag = (logmag.exp() - eps).clamp_min(0.0)
+        return torch.log(gains * mag + eps)
+
+    # ------------------------------------------------------------------ waveform in, waveform out
+    @torch.no_grad()
+    def enhance(self, wav: torch.Tensor, min_gain: float = 0.0) -> torch.Tensor:
+        """Offline reference: (B, N) -> (B, N), same framing and padding as the streaming step."""
+        cfg = self.config
+        n = wav.shape[-1]
+        steps = -(-(cfg.delay_samples + n) // cfg.stft.hop)
+        spec = features.stft(wav, cfg.stft, n_frames=steps)  # (B, S, F)
+        gains, _ = self(features.log_magnitude(spec, cfg.log_eps), pad_end=False)  # (B, S-L, F)
+        gains = gains.clamp_min(min_gain)
+        return features.istft(spec[:, : gains.shape[1]] * gains, n, cfg.stft)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def loss_fn(model: TIMNet, noisy_logmag, clean_logmag, gains, weight=None):
+    """MSE between estimated and clean log-magnitude; `weight` (B, T, F) masks bins/frames."""
+    err = (model.estimate_logmag(noisy_logmag, gains) - clean_logmag) ** 2
+    if weight is None:
+        return err.mean()
+    return (err * weight).sum() / weight.sum().clamp_min(1.0)
