@@ -25,7 +25,7 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
 
     from . import __version__
     from .model import StreamingStep, count_parameters, init_caches
-    from .model.step import input_names, output_names
+    from .layout import input_names, output_names
 
     cfg: ModelConfig = model.config
     step = StreamingStep(model).eval()
@@ -73,7 +73,7 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0) -> f
     import onnxruntime as ort
     import torch
 
-    from .model.step import init_caches, output_names, state_specs, write_rings
+    from .layout import init_caches, output_names, state_specs, write_rings
 
     cfg = step.config
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -24,59 +24,12 @@ The STFT and iSTFT are matmuls with fixed DFT bases, so the graph is self-contai
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..layout import has_competition, state_specs
 from .features import dft_bases
 from .net import TIMNet
-
-
-def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and per-stream shapes (no batch dimension) of the state caches, in graph order."""
-    dims = (cfg.n_freqs,) + tuple(cfg.conv_channels[:-1])
-    specs = [("prev_hop", (cfg.stft.hop,)), ("spec_delay", (cfg.lookahead + 1, 2 * cfg.n_freqs))]
-    specs += [(f"conv{i}", (cfg.kernel_size - 1, c)) for i, c in enumerate(dims)]
-    return specs + [("ola", (cfg.stft.hop,))]
-
-
-def ring_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    kv = (cfg.n_heads, cfg.window, cfg.head_dim)
-    return [(f"k{j}", kv) for j in range(cfg.n_layers)] + [(f"v{j}", kv) for j in range(cfg.n_layers)]
-
-
-def cache_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """State caches then rings: every per-stream array of the step, in graph input order."""
-    return state_specs(cfg) + ring_specs(cfg)
-
-
-def has_competition(cfg: ModelConfig) -> bool:
-    return cfg.competition and cfg.n_tim_layers > 0
-
-
-def output_names(cfg: ModelConfig) -> list[str]:
-    head = ["out"] + (["competition"] if has_competition(cfg) else []) + ["activity", "kv_rows"]
-    return head + [f"{n}_next" for n, _ in state_specs(cfg)]
-
-
-def input_names(cfg: ModelConfig) -> list[str]:
-    return ["hop", "min_gain", "pos"] + [n for n, _ in cache_specs(cfg)]
-
-
-def init_caches(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
-    return [np.zeros((batch,) + shape, dtype=np.float32) for _, shape in cache_specs(cfg)]
-
-
-def write_rings(rings, kv_rows, pos, window: int) -> None:
-    """Write each stream's new key/value rows into slot pos % W of its rings, in place.
-    rings: k0..kN, v0..vN, each (B, H, W, dh), numpy or torch; kv_rows (B, 2, N, H, dh); pos (B,)."""
-    n = len(rings) // 2
-    slot = pos % window
-    batch = np.arange(slot.shape[0])
-    for kind in range(2):
-        for j in range(n):
-            rings[kind * n + j][batch, :, slot] = kv_rows[:, kind, j]  # (B, H, dh)
 
 
 class StreamingStep(nn.Module):

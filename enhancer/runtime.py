@@ -1,0 +1,365 @@
+"""Inference runtime: numpy + onnxruntime (+ soxr for resampling). Never imports torch.
+
+    enh = Enhancer.from_pretrained()                 # the shipped model in models/
+    clean = enh.enhance(noisy, 48000)                # (n,) or (n, channels), same shape out
+    s = enh.stream(sample_rate=48000, channels=2)
+    out = s.feed(chunk); ...; out_tail = s.flush()   # any chunk size; total out == total in
+
+Every path runs the exported step graph one 16 ms hop at a time. Per-stream state lives in a
+`LanePool`: batched cache arrays in which each stream (channel) owns a lane, so many streams can
+share one `session.run` (the server's scheduler), and a stream's key/value rings are written in place.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import AudioError, CheckpointError
+from .layout import init_caches, input_names, output_names, state_specs, write_rings
+from .signal import StreamResampler, check_audio, check_rate
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_MODEL = "tim.onnx"
+MODEL_ENV = "TIM_ENHANCER_MODEL"
+
+
+def default_model_path() -> Path:
+    """$TIM_ENHANCER_MODEL, else models/tim.onnx beside the package."""
+    env = os.environ.get(MODEL_ENV)
+    return Path(env) if env else MODELS_DIR / DEFAULT_MODEL
+
+
+def min_gain_for(atten_lim_db: float | None) -> float:
+    """Gain floor for an attenuation limit in dB (None or inf = no limit)."""
+    if atten_lim_db is None:
+        return 0.0
+    try:
+        db = float(atten_lim_db)
+    except (TypeError, ValueError):
+        raise AudioError(f"atten_lim_db must be a number of dB, got {atten_lim_db!r}") from None
+    if np.isnan(db) or db < 0:
+        raise AudioError(f"atten_lim_db must be >= 0 dB, got {atten_lim_db!r}")
+    return 0.0 if np.isinf(db) else float(10.0 ** (-db / 20.0))
+
+
+@dataclass
+class StepResult:
+    out: np.ndarray  # (k, hop)
+    competition: np.ndarray | None  # (k, n_tim, n_s)
+    activity: np.ndarray  # (k,)
+
+
+class Engine:
+    """One onnxruntime session of a step graph, with the config read from the model's metadata."""
+
+    def __init__(self, path, providers=None, threads: int = 1):
+        import onnxruntime as ort
+
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"model file not found: {path}")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        if providers is None:
+            avail = ort.get_available_providers()
+            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=list(providers))
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
+            raise CheckpointError(f"{path}: cannot load model ({type(e).__name__}: {e})") from None
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if "tim_enhancer.config" not in meta:
+            raise CheckpointError(f"{path}: not a tim-enhancer step graph (no tim_enhancer.config metadata)")
+        self.path = path
+        self.config = ModelConfig.from_dict(json.loads(meta["tim_enhancer.config"]))
+        self.metadata = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith("tim_enhancer.")}
+        got_in = [i.name for i in self.session.get_inputs()]
+        got_out = [o.name for o in self.session.get_outputs()]
+        if got_in != input_names(self.config) or got_out != output_names(self.config):
+            raise CheckpointError(f"{path}: graph inputs/outputs do not match its config {self.config.name!r}")
+        self.input_names = got_in
+        self.n_state = len(state_specs(self.config))
+        self.n_head = len(got_out) - self.n_state
+        self.with_comp = "competition" in got_out
+
+    @property
+    def provider(self) -> str:
+        """The execution provider really in use (first of the session's list)."""
+        return self.session.get_providers()[0]
+
+    @property
+    def parameters(self) -> int:
+        return int(self.metadata.get("parameters", 0))
+
+    def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(None, dict(zip(self.input_names, [hops, min_gain, pos, *caches])))
+
+
+class LanePool:
+    """Batched per-stream state: `capacity` lanes, each one channel of one stream."""
+
+    def __init__(self, engine: Engine, capacity: int):
+        self.engine, self.capacity = engine, capacity
+        self.caches = init_caches(engine.config, capacity)
+        self.pos = np.zeros(capacity, dtype=np.int64)
+        self.free_lanes = list(range(capacity))
+        self.lock = threading.Lock()
+
+    def alloc(self, n: int) -> np.ndarray:
+        with self.lock:
+            if n > len(self.free_lanes):
+                raise RuntimeError(f"no free lanes: {n} requested, {len(self.free_lanes)} free of {self.capacity}")
+            self.free_lanes.sort()
+            lanes, self.free_lanes = self.free_lanes[:n], self.free_lanes[n:]
+        lanes = np.array(lanes, dtype=np.int64)
+        self.reset(lanes)
+        return lanes
+
+    def free(self, lanes) -> None:
+        with self.lock:
+            self.free_lanes.extend(int(x) for x in lanes)
+
+    @property
+    def n_free(self) -> int:
+        return len(self.free_lanes)
+
+    def reset(self, lanes: np.ndarray) -> None:
+        for c in self.caches:
+            c[lanes] = 0.0
+        self.pos[lanes] = 0
+
+    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        """Advance `lanes` (distinct) by one hop each. The call covers the lane range
+        [min, max]; lanes in it that are not stepping are computed but left untouched."""
+        eng = self.engine
+        lo, hi = int(lanes.min()), int(lanes.max()) + 1
+        idx = lanes - lo
+        if hi - lo == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
+            h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
+        else:
+            h = np.zeros((hi - lo, hops.shape[1]), dtype=np.float32)
+            g = np.zeros(hi - lo, dtype=np.float32)
+            h[idx], g[idx] = hops, min_gain
+        views = [c[lo:hi] for c in self.caches]  # contiguous views, no copies
+        pos = self.pos[lo:hi]
+        o = eng.run(h, g, pos.copy(), views)
+        n_s = eng.n_state
+        write_rings(views[n_s:], o[eng.n_head - 1][idx], pos[idx], eng.config.window, batch=idx)
+        for view, new in zip(views[:n_s], o[eng.n_head:]):
+            view[idx] = new[idx]
+        pos[idx] += 1
+        comp = o[1][idx] if eng.with_comp else None
+        return StepResult(out=o[0][idx], competition=comp, activity=o[eng.n_head - 2][idx])
+
+
+class StreamingEnhancer:
+    """One audio stream (any rate, any channel count) through the step graph.
+
+    `feed(pcm)` takes any number of samples, shape (n,) for mono or (n, channels), and returns the
+    enhanced samples that are ready; `flush()` returns the rest, so that the total output has
+    exactly as many samples as the total input, aligned sample for sample (the model's fixed delay
+    is removed). After `flush()` the stream is fresh again. `reset()` drops everything.
+
+    For batched serving, `push()` / `ready_hops()` / `take_hops()` / `put_output()` / `pull()` split
+    `feed` so that a scheduler can step many streams in one call (`LanePool.step`).
+    """
+
+    def __init__(self, engine: Engine, sample_rate: int = 16000, channels: int = 1, atten_lim_db: float | None = None,
+                 metadata: bool = False, pool: LanePool | None = None):
+        self.engine, self.config = engine, engine.config
+        self.sample_rate = check_rate(sample_rate)
+        if not isinstance(channels, (int, np.integer)) or not 1 <= channels <= 64:
+            raise AudioError(f"channels must be an integer in 1..64, got {channels!r}")
+        self.channels = int(channels)
+        self.min_gain = min_gain_for(atten_lim_db)
+        self.metadata = metadata
+        self.pool = pool or LanePool(engine, self.channels)
+        self.lanes = self.pool.alloc(self.channels)
+        self.closed = False
+        self._init_buffers()
+
+    def _init_buffers(self) -> None:
+        sr, c, model_sr = self.sample_rate, self.channels, self.config.stft.sample_rate
+        self._rs_in = StreamResampler(sr, model_sr, c)
+        self._rs_out = StreamResampler(model_sr, sr, c)
+        self._pending = np.zeros((0, c), dtype=np.float32)  # 16 kHz input not yet stepped
+        self._to_drop = self.config.delay_samples  # leading output samples that are pure delay
+        self._ready = []  # 16 kHz output hops, (hop, c) each
+        self.n_in = 0  # samples fed, at the stream's rate
+        self.n_in_model = 0  # the same after resampling to 16 kHz
+        self.n_out = 0  # samples returned, at the stream's rate
+        self.frames = []  # metadata per step: (competition (c, n_tim, n_s) | None, activity (c,))
+
+    # ------------------------------------------------------------------ simple interface
+    def feed(self, pcm) -> np.ndarray:
+        self.push(pcm)
+        self._run_pending()
+        return self.pull()
+
+    def flush(self) -> np.ndarray:
+        """Process the tail and return it; the stream then starts afresh."""
+        self._check_open()
+        tail = self._rs_in.process(np.zeros((0, self.channels), np.float32), last=True)
+        self._append(tail)
+        need = self.config.delay_samples + self.n_in_model  # stream samples covering every input sample
+        hop = self.config.stft.hop
+        produced = self._produced_model_samples()
+        steps = -(-max(need - produced, 0) // hop)
+        missing = steps * hop - len(self._pending)
+        if missing > 0:
+            self._pending = np.concatenate([self._pending, np.zeros((missing, self.channels), np.float32)])
+        self._run_pending()
+        out = self.pull(last=True)
+        remaining = self.n_in - self.n_out
+        if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
+            out = np.concatenate([out, np.zeros((remaining - out.shape[0], self.channels), np.float32)])
+        out = out[:remaining]
+        self.n_out += out.shape[0]
+        result = self._shape(out)
+        self.reset()
+        return result
+
+    def reset(self) -> None:
+        """Drop all state and buffered audio; the next `feed` starts a new stream."""
+        self._check_open()
+        self.pool.reset(self.lanes)
+        self._init_buffers()
+
+    def close(self) -> None:
+        """Give the lanes back to the pool (for pools shared by many streams)."""
+        if not self.closed:
+            self.pool.free(self.lanes)
+            self.closed = True
+
+    def pop_metadata(self) -> list[dict]:
+        """Per-step metadata since the last call: competition (channels, n_tim, n_s) and activity."""
+        frames, self.frames = self.frames, []
+        return [{"competition": c, "activity": a} for c, a in frames]
+
+    # ------------------------------------------------------------------ split interface
+    def push(self, pcm) -> None:
+        self._check_open()
+        a = np.asarray(pcm)
+        if a.size == 0 and a.ndim in (1, 2):
+            return
+        a = check_audio(a, "pcm")
+        if a.ndim == 1:
+            a = a[:, None]
+        if a.shape[1] != self.channels:
+            raise AudioError(f"pcm has {a.shape[1]} channel(s), the stream was opened with {self.channels}")
+        self.n_in += a.shape[0]
+        self._append(self._rs_in.process(a))
+
+    def ready_hops(self) -> int:
+        return len(self._pending) // self.config.stft.hop
+
+    def take_hop(self) -> np.ndarray:
+        """The next input hop as (channels, hop)."""
+        hop = self.config.stft.hop
+        x, self._pending = self._pending[:hop], self._pending[hop:]
+        return np.ascontiguousarray(x.T)
+
+    def put_output(self, out: np.ndarray, competition, activity) -> None:
+        """One step's result for this stream's lanes: out (channels, hop)."""
+        self._ready.append(out.T)
+        if self.metadata:
+            self.frames.append((competition, activity))
+
+    def pull(self, last: bool = False) -> np.ndarray:
+        """Enhanced audio at the stream's rate that is ready, delay removed."""
+        if self._ready:
+            y = np.concatenate(self._ready)
+            self._ready = []
+        else:
+            y = np.zeros((0, self.channels), np.float32)
+        if self._to_drop:
+            d = min(self._to_drop, len(y))
+            y, self._to_drop = y[d:], self._to_drop - d
+        y = self._rs_out.process(y, last=last)
+        if last:
+            return y
+        y = y[: max(self.n_in - self.n_out, 0)]
+        self.n_out += y.shape[0]
+        return self._shape(y)
+
+    # ------------------------------------------------------------------ internals
+    def _append(self, x: np.ndarray) -> None:
+        if len(x):
+            self.n_in_model += len(x)
+            self._pending = np.concatenate([self._pending, x.astype(np.float32, copy=False)])
+
+    def _produced_model_samples(self) -> int:
+        return int(self.pool.pos[self.lanes[0]]) * self.config.stft.hop
+
+    def _run_pending(self) -> None:
+        g = np.full(self.channels, self.min_gain, np.float32)
+        while self.ready_hops():
+            r = self.pool.step(self.lanes, self.take_hop(), g)
+            self.put_output(r.out, r.competition, r.activity)
+
+    def _shape(self, y: np.ndarray) -> np.ndarray:
+        """(n, 1) -> (n,) for mono streams."""
+        return y[:, 0].copy() if self.channels == 1 else y
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("stream is closed")
+
+
+class Enhancer:
+    """The model, loaded once; `enhance` for whole signals, `stream` for live audio."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.config = engine.config
+
+    @classmethod
+    def from_pretrained(cls, path=None, providers=None, threads: int = 1) -> "Enhancer":
+        """Load an exported model (default: the shipped one). `providers`: onnxruntime providers
+        in order of preference (default: CUDA when available, then CPU); `.provider` tells which
+        one is really used."""
+        p = Path(path) if path is not None else default_model_path()
+        if path is None and not p.is_file():
+            raise CheckpointError(f"no shipped model at {p}; pass a path or set ${MODEL_ENV}")
+        return cls(Engine(p, providers, threads))
+
+    @property
+    def provider(self) -> str:
+        return self.engine.provider
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.stft.sample_rate
+
+    @property
+    def delay_samples(self) -> int:
+        return self.config.delay_samples
+
+    @property
+    def latency_ms(self) -> float:
+        return self.config.algorithmic_latency_ms
+
+    def stream(self, sample_rate: int = 16000, channels: int = 1, atten_lim_db: float | None = None,
+               metadata: bool = False, pool: LanePool | None = None) -> StreamingEnhancer:
+        return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool)
+
+    def enhance(self, audio, sample_rate: int, atten_lim_db: float | None = None, chunk_seconds: float = 10.0) -> np.ndarray:
+        """Enhance a whole signal: (n,) or (n, channels) at any rate -> the same shape and rate."""
+        a = check_audio(audio)
+        sr = check_rate(sample_rate)
+        channels = 1 if a.ndim == 1 else a.shape[1]
+        s = self.stream(sr, channels, atten_lim_db)
+        step = max(1, int(chunk_seconds * sr))
+        parts = [s.feed(a[i:i + step]) for i in range(0, a.shape[0], step)]
+        parts.append(s.flush())
+        return np.concatenate(parts, axis=0)
