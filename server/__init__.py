@@ -1,0 +1,51 @@
+"""The tim-enhancer service: REST and websocket streaming over batched ONNX inference.
+
+    import server
+    server.run(host="127.0.0.1", port=8000)            # what `enhancer serve` calls
+    app = server.create_app(server.Settings.build())   # the ASGI app (tests, other servers)
+
+No torch in this package: inference is `enhancer.runtime` (numpy + onnxruntime).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .settings import Settings
+
+__all__ = ["run", "create_app", "Settings", "uvicorn_config"]
+
+
+def create_app(settings: Settings | None = None):
+    from .app import create_app as _create
+
+    return _create(settings)
+
+
+def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int = 8000, **kwargs):
+    """uvicorn settings that match the service's limits (websocket frames are checked by the
+    handler, which answers with a JSON error and 1009; uvicorn's own cap is a backstop above it)."""
+    import uvicorn
+
+    options = dict(host=host, port=port, ws_max_size=4 * settings.max_message_bytes + 65536, log_level="info",
+                   timeout_graceful_shutdown=5, proxy_headers=False, server_header=False)
+    return uvicorn.Config(app, **(options | kwargs))
+
+
+def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "auto", workers: int = 1,
+        max_streams: int = 64, api_key: str | None = None, **limits) -> None:
+    """Serve until interrupted. `model`: path of an exported step graph (default: the shipped
+    model); `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*; `limits`: other `Settings` fields
+    (max_upload_bytes, max_duration_s, idle_timeout_s, max_message_bytes, cors_origins ...)."""
+    import uvicorn
+
+    from enhancer.errors import CheckpointError
+    from enhancer.runtime import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    if not path.is_file():
+        hint = "" if model is not None else " (the shipped model; pass --model PATH or set $TIM_ENHANCER_MODEL)"
+        raise CheckpointError(f"model file not found: {path}{hint}")
+    settings = Settings.build(model=path, device=device, workers=workers, max_streams=max_streams, api_key=api_key,
+                              **limits)
+    app = create_app(settings)
+    uvicorn.Server(uvicorn_config(app, settings, host, port)).run()

@@ -1,0 +1,208 @@
+"""Audio in and out of the service: uploaded files (libsndfile via soundfile) and raw PCM frames.
+
+Every failure becomes a `ServiceError` whose message says what is wrong with the input.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import soundfile as sf
+
+from enhancer.errors import AudioError
+from enhancer.signal import check_rate
+
+from .errors import ServiceError
+
+# output container names of the `format` parameter -> libsndfile major format
+FORMATS = {"wav": "WAV", "flac": "FLAC", "ogg": "OGG", "mp3": "MP3"}
+MEDIA_TYPES = {"WAV": "audio/wav", "WAVEX": "audio/wav", "RF64": "audio/wav", "W64": "audio/x-w64",
+               "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg", "AIFF": "audio/aiff",
+               "AU": "audio/basic", "CAF": "audio/x-caf"}
+EXTENSIONS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "W64": "w64", "FLAC": "flac", "OGG": "ogg",
+              "MP3": "mp3", "AIFF": "aiff", "AU": "au", "CAF": "caf"}
+MP3_SLACK = 2 * 1152  # MP3 frame counts from headers may be estimates: tolerate two MPEG frames
+
+ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
+
+
+# ---------------------------------------------------------------------------------- files in
+@dataclass
+class AudioInfo:
+    sample_rate: int
+    channels: int
+    frames: int  # from the header (an estimate for some MP3s)
+    format: str  # libsndfile major format, e.g. WAV
+    subtype: str  # e.g. PCM_16
+
+    @property
+    def duration_s(self) -> float:
+        return self.frames / self.sample_rate
+
+
+class AudioReader:
+    """Reads an uploaded file block by block, checking that it is complete."""
+
+    def __init__(self, fileobj, max_channels: int, max_duration_s: float):
+        fileobj.seek(0, 2)
+        size = fileobj.tell()
+        fileobj.seek(0)
+        if size == 0:
+            raise ServiceError("empty_input", "the request body is empty; send an audio file")
+        try:
+            self.sf = sf.SoundFile(fileobj)
+        except sf.LibsndfileError as e:
+            reason = _libsndfile_reason(e)
+            if "not recognised" in reason.lower():
+                raise ServiceError("unsupported_media", "the body is not an audio file libsndfile can read "
+                                   "(WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF ...)") from None
+            raise ServiceError("invalid_audio", f"the audio file is malformed or truncated ({reason})") from None
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ServiceError("invalid_audio", f"the audio file cannot be opened ({e})") from None
+        f = self.sf
+        self.info = AudioInfo(f.samplerate, f.channels, f.frames, f.format, f.subtype)
+        self.read_frames = 0
+        try:
+            check_rate(f.samplerate)
+        except AudioError as e:
+            self.close()
+            raise ServiceError("invalid_audio", f"the file's {e}") from None
+        if not 1 <= f.channels <= max_channels:
+            self.close()
+            raise ServiceError("invalid_audio", f"the file has {f.channels} channels; at most {max_channels} are supported")
+        self._check_header(max_duration_s)
+        self.max_frames = int(max_duration_s * f.samplerate)
+
+    def _check_header(self, max_duration_s: float) -> None:
+        f, info = self.sf, self.info
+        extra = f.extra_info or ""
+        if info.format in ("WAV", "WAVEX", "RF64", "W64") and re.search(r"data\s*:\s*\d+\s*\(should be", extra):
+            self.close()
+            raise ServiceError("invalid_audio", "the WAV file is truncated: its header promises more audio data "
+                               "than the file holds")
+        if info.format == "OGG" and "ended unexpectedly" in extra:
+            self.close()
+            raise ServiceError("invalid_audio", "the OGG file is truncated (no end-of-stream page)")
+        if info.frames <= 0:
+            self.close()
+            raise ServiceError("empty_input", "the audio file contains no samples")
+        if info.duration_s > max_duration_s:
+            self.close()
+            raise ServiceError("too_long", f"the audio is {info.duration_s:.1f} s long; the limit is {max_duration_s:g} s")
+
+    def blocks(self, frames: int):
+        """Yields float32 blocks (n, channels); raises ServiceError if the file ends early or breaks."""
+        while True:
+            block = self.read(frames)
+            if block is None:
+                return
+            yield block
+
+    def read(self, frames: int) -> np.ndarray | None:
+        """The next block (n, channels) float32, or None at the (verified) end of the file."""
+        try:
+            x = self.sf.read(frames, dtype="float32", always_2d=True)
+        except (sf.LibsndfileError, RuntimeError) as e:
+            raise ServiceError("invalid_audio", f"the audio file is corrupt or truncated after "
+                               f"{self.read_frames} frames ({_libsndfile_reason(e)})") from None
+        if x.shape[0] == 0:
+            self._check_complete()
+            return None
+        self.read_frames += x.shape[0]
+        if self.read_frames > self.max_frames:
+            raise ServiceError("too_long", f"the audio is longer than the limit of {self.max_frames / self.info.sample_rate:g} s")
+        return x
+
+    def _check_complete(self) -> None:
+        slack = MP3_SLACK if self.info.format == "MP3" else 0
+        if self.read_frames + slack < self.info.frames:
+            raise ServiceError("invalid_audio", f"the audio file is truncated: its header promises {self.info.frames} "
+                               f"frames, it holds {self.read_frames}")
+        if self.read_frames == 0:
+            raise ServiceError("empty_input", "the audio file contains no samples")
+
+    def close(self) -> None:
+        try:
+            self.sf.close()
+        except Exception:  # noqa: BLE001 - closing a broken decoder must not mask the real error
+            pass
+
+
+def _libsndfile_reason(e: Exception) -> str:
+    msg = str(e)
+    # "Error opening <_io.BufferedRandom ...>: Format not recognised." -> the part after the object repr
+    return msg.split(">: ", 1)[-1].strip().rstrip(".") or type(e).__name__
+
+
+# ---------------------------------------------------------------------------------- files out
+def output_format(requested: str | None, info: AudioInfo) -> tuple[str, str]:
+    """(major format, subtype) for the response: `requested` (wav, flac, ogg, mp3) or the input's."""
+    if requested is None or requested == "":
+        fmt = info.format
+    else:
+        key = requested.lower().lstrip(".")
+        if key not in FORMATS:
+            raise ServiceError("invalid_parameter", f"format must be one of {', '.join(FORMATS)}, got {requested!r}")
+        fmt = FORMATS[key]
+    subtype = info.subtype if fmt == info.format else sf.default_subtype(fmt)
+    if not sf.check_format(fmt, subtype):
+        subtype = sf.default_subtype(fmt)
+    if fmt not in MEDIA_TYPES or not subtype or not sf.check_format(fmt, subtype):
+        raise ServiceError("invalid_parameter", f"cannot write {fmt} files; ask for format=wav, flac, ogg or mp3")
+    return fmt, subtype
+
+
+class AudioWriter:
+    """Encodes the enhanced blocks into a file object."""
+
+    def __init__(self, fileobj, fmt: str, subtype: str, sample_rate: int, channels: int):
+        try:
+            self.sf = sf.SoundFile(fileobj, "w", samplerate=sample_rate, channels=channels, format=fmt, subtype=subtype)
+        except (sf.LibsndfileError, RuntimeError, ValueError) as e:
+            raise ServiceError("invalid_parameter", f"cannot write {fmt}/{subtype} at {sample_rate} Hz with "
+                               f"{channels} channel(s) ({_libsndfile_reason(e)}); choose another format") from None
+        self.clip = not subtype.startswith(("FLOAT", "DOUBLE"))
+        self.format, self.subtype = fmt, subtype
+
+    def write(self, block: np.ndarray) -> None:
+        if block.shape[0]:
+            self.sf.write(np.clip(block, -1.0, 1.0) if self.clip else block)
+
+    def close(self) -> None:
+        self.sf.close()
+
+    @property
+    def media_type(self) -> str:
+        return MEDIA_TYPES.get(self.format, "application/octet-stream")
+
+    @property
+    def extension(self) -> str:
+        return EXTENSIONS.get(self.format, "bin")
+
+
+# ---------------------------------------------------------------------------------- raw PCM
+def frame_bytes(encoding: str, channels: int) -> int:
+    return ENCODINGS[encoding].itemsize * channels
+
+
+def decode_pcm(data: bytes, encoding: str, channels: int) -> np.ndarray:
+    """Interleaved little-endian PCM -> (n, channels) float32 (int16 scaled to [-1, 1))."""
+    size = frame_bytes(encoding, channels)
+    if len(data) % size:
+        raise ServiceError("invalid_audio", f"a binary message of {len(data)} bytes is not a whole number of "
+                           f"{encoding} frames ({size} bytes per frame for {channels} channel(s))")
+    x = np.frombuffer(data, dtype=ENCODINGS[encoding]).reshape(-1, channels)
+    if encoding == "pcm_s16le":
+        return x.astype(np.float32) / 32768.0
+    x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise ServiceError("invalid_audio", "audio contains NaN or Inf samples")
+    return x
+
+
+def encode_pcm(x: np.ndarray, encoding: str) -> bytes:
+    """(n, channels) float32 -> interleaved little-endian PCM bytes."""
+    if encoding == "pcm_s16le":
+        return np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
+    return np.ascontiguousarray(x, dtype="<f4").tobytes()

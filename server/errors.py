@@ -1,0 +1,46 @@
+"""Errors the service reports to clients: one kind each, with its HTTP status and websocket close code.
+
+Responses carry `{"error": {"kind": ..., "message": ...}}` (REST) or
+`{"type": "error", "kind": ..., "message": ...}` (websocket), never a stack trace.
+"""
+from __future__ import annotations
+
+# kind: (HTTP status, websocket close code)
+KINDS: dict[str, tuple[int, int]] = {
+    "empty_input": (400, 1007),  # no bytes / no samples
+    "bad_request": (400, 1007),  # malformed request or message
+    "unauthorized": (401, 1008),  # API key missing
+    "forbidden": (403, 1008),  # API key wrong
+    "too_large": (413, 1009),  # upload or message over the byte limit
+    "too_long": (413, 1008),  # audio over the duration limit
+    "unsupported_media": (415, 1003),  # not audio we can read, text where audio belongs, unknown encoding
+    "invalid_audio": (422, 1007),  # truncated, absurd rate, NaN/Inf, wrong channel count ...
+    "invalid_parameter": (422, 1007),  # atten_lim_db, format, sample_rate, channels ...
+    "idle_timeout": (408, 1008),  # no message within the idle timeout
+    "over_capacity": (503, 1013),  # all streams / jobs / lanes busy
+    "internal": (500, 1011),  # a bug or a failed inference step
+}
+
+
+class ServiceError(Exception):
+    """An error with a client-facing message; `kind` selects status and close code."""
+
+    def __init__(self, kind: str, message: str):
+        if kind not in KINDS:
+            raise ValueError(f"unknown error kind {kind!r}")
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+    @property
+    def status(self) -> int:
+        return KINDS[self.kind][0]
+
+    @property
+    def close_code(self) -> int:
+        return KINDS[self.kind][1]
+
+    def rest_body(self) -> dict:
+        return {"error": {"kind": self.kind, "message": self.message}}
+
+    def ws_message(self) -> dict:
+        return {"type": "error", "kind": self.kind, "message": self.message, "code": self.close_code}

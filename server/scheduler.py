@@ -1,0 +1,401 @@
+"""Batched inference: worker threads step every stream with a pending hop in one `LanePool.step`.
+
+The event loop never runs inference. Websocket and REST handlers hold a `Job` and only enqueue
+commands (`push`, `end`, `close`); each `Worker` thread owns one onnxruntime session and its
+`LanePool`, and repeats rounds:
+
+    apply queued commands -> gather every stream with >= 1 ready hop -> one batched step ->
+    scatter outputs -> hand finished output to the loop (call_soon_threadsafe)
+
+A stream with nothing pending is simply not in the round, so it delays no one; new audio that
+arrives during a round joins the next one (dynamic batching, no added wait). All pool and
+stream-state operations of a worker happen on its thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from enhancer.errors import AudioError
+from enhancer.runtime import Enhancer, LanePool, StreamingEnhancer
+from enhancer.signal import check_rate
+
+from .errors import ServiceError
+from .metrics import Metrics
+from .settings import Settings
+
+log = logging.getLogger("tim_enhancer.server")
+
+
+@dataclass
+class Delivery:
+    """Output of a stream handed to its handler: audio (n, channels) float32 at the stream's rate."""
+
+    audio: np.ndarray
+    frames: list = field(default_factory=list)  # (frame index, competition (c, n_tim, n_s) | None, activity (c,))
+    acked: int = 0  # sequence number of the last push whose audio is fully processed
+    final: bool = False  # the stream's tail after `end`; nothing follows
+    error: ServiceError | None = None
+
+
+# ---------------------------------------------------------------------------------- flushing
+def begin_flush(se: StreamingEnhancer) -> None:
+    """First half of `StreamingEnhancer.flush` for a scheduler: drain the input resampler and pad
+    zeros so that the hops still to run cover every input sample plus the model's delay."""
+    c = se.channels
+    se._append(se._rs_in.process(np.zeros((0, c), np.float32), last=True))
+    need = se.config.delay_samples + se.n_in_model
+    hop = se.config.stft.hop
+    steps = -(-max(need - se._produced_model_samples(), 0) // hop)
+    missing = steps * hop - len(se._pending)
+    if missing > 0:
+        se._pending = np.concatenate([se._pending, np.zeros((missing, c), np.float32)])
+
+
+def end_flush(se: StreamingEnhancer) -> np.ndarray:
+    """Second half, once the padded hops have run: the tail, so that output length == input length."""
+    out = se.pull(last=True)
+    remaining = se.n_in - se.n_out
+    if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
+        out = np.concatenate([out, np.zeros((remaining - out.shape[0], se.channels), np.float32)])
+    out = out[:max(remaining, 0)]
+    se.n_out += out.shape[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------- loop side
+class Job:
+    """The event-loop side of one stream: enqueue audio, await deliveries. Not thread-safe: use it
+    from the event loop only."""
+
+    def __init__(self, scheduler: "Scheduler", worker: "Worker", sample_rate: int, channels: int, metadata: bool,
+                 source: str):
+        self.id = next(scheduler._ids)
+        self.scheduler, self.worker = scheduler, worker
+        self.sample_rate, self.channels, self.metadata, self.source = sample_rate, channels, metadata, source
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        self.sent = 0  # pushes enqueued
+        self.acked = 0  # pushes fully processed
+        self.ended = False
+        self.closed = False
+
+    def push(self, pcm: np.ndarray) -> int:
+        """Queue audio (n,) or (n, channels); returns its sequence number."""
+        if self.closed or self.ended:
+            raise RuntimeError("job is finished")
+        self.sent += 1
+        self.worker.submit(("push", self, pcm, self.sent))
+        return self.sent
+
+    def end(self) -> None:
+        """Flush the tail; the last delivery has `final=True` and the worker frees the lanes."""
+        if not (self.closed or self.ended):
+            self.ended = True
+            self.worker.submit(("end", self, None, self.sent))
+
+    def close(self) -> None:
+        """Drop the stream (any time, e.g. on disconnect); idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.worker.submit(("close", self, None, 0))
+            self.scheduler._release(self)
+
+    async def next(self) -> Delivery:
+        d = await self.queue.get()
+        self.acked = max(self.acked, d.acked)
+        return d
+
+    async def process(self, pcm: np.ndarray) -> np.ndarray:
+        """Push `pcm` and wait until all of it is processed; returns the output made meanwhile."""
+        seq = self.push(pcm)
+        parts = []
+        while self.acked < seq:
+            d = await self.next()
+            if d.error:
+                raise d.error
+            parts.append(d.audio)
+        return np.concatenate(parts) if parts else np.zeros((0, self.channels), np.float32)
+
+    async def finish(self) -> np.ndarray:
+        """`end` and wait for the tail."""
+        self.end()
+        parts = []
+        while True:
+            d = await self.next()
+            if d.error:
+                raise d.error
+            parts.append(d.audio)
+            if d.final:
+                return np.concatenate(parts)
+
+    def _deliver(self, d: Delivery) -> None:
+        if not self.closed:
+            self.queue.put_nowait(d)
+
+
+class Scheduler:
+    """Workers plus admission control (stream, job and lane limits); used from the event loop."""
+
+    def __init__(self, settings: Settings, metrics: Metrics):
+        self.settings, self.metrics = settings, metrics
+        self.workers: list[Worker] = []
+        self._ids = itertools.count(1)
+        self.streams = 0
+        self.rest_jobs = 0
+        self.jobs: dict[int, Job] = {}
+
+    # lifecycle
+    def start(self) -> None:
+        s = self.settings
+        providers = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider"]}[s.device]
+        if s.device == "cuda":
+            import onnxruntime as ort
+
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise RuntimeError("device 'cuda' requested but onnxruntime has no CUDAExecutionProvider "
+                                   "(install the [gpu] extra on a machine with CUDA)")
+        for i in range(s.workers):
+            enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
+            self.workers.append(Worker(i, enh, s.lanes_per_worker, self.metrics))
+        for w in self.workers:
+            w.start()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        for w in self.workers:
+            w.join(timeout=10)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.workers) and all(w.is_alive() for w in self.workers)
+
+    @property
+    def enhancer(self) -> Enhancer:
+        return self.workers[0].enhancer
+
+    # admission
+    def open(self, sample_rate, channels, atten_lim_db=None, metadata: bool = False, source: str = "stream") -> Job:
+        """A new job on the least loaded worker, or ServiceError (invalid_parameter, over_capacity)."""
+        s = self.settings
+        try:
+            sample_rate = check_rate(sample_rate)
+        except AudioError as e:
+            raise ServiceError("invalid_parameter", str(e)) from None
+        if not isinstance(channels, int) or isinstance(channels, bool) or not 1 <= channels <= s.max_channels:
+            raise ServiceError("invalid_parameter", f"channels must be an integer in 1..{s.max_channels}, got {channels!r}")
+        from enhancer.runtime import min_gain_for
+
+        try:
+            min_gain_for(atten_lim_db)
+        except AudioError as e:
+            raise ServiceError("invalid_parameter", str(e)) from None
+        if source == "stream" and self.streams >= s.max_streams:
+            raise ServiceError("over_capacity", f"server is at its limit of {s.max_streams} concurrent streams; retry later")
+        if source == "rest" and self.rest_jobs >= s.max_rest_jobs:
+            raise ServiceError("over_capacity", f"server is at its limit of {s.max_rest_jobs} concurrent enhancements; retry later")
+        if not self.ready:
+            raise ServiceError("internal", "inference workers are not running")
+        worker = max(self.workers, key=lambda w: w.lanes_free)
+        if worker.lanes_free < channels:
+            raise ServiceError("over_capacity", "no free inference lanes; retry later")
+        job = Job(self, worker, sample_rate, channels, bool(metadata), source)
+        worker.lanes_free -= channels
+        self.jobs[job.id] = job
+        if source == "stream":
+            self.streams += 1
+            self.metrics.active_streams.set(self.streams)
+        else:
+            self.rest_jobs += 1
+            self.metrics.active_jobs.set(self.rest_jobs)
+        worker.submit(("open", job, atten_lim_db, 0))
+        return job
+
+    def _release(self, job: Job) -> None:
+        if self.jobs.pop(job.id, None) is None:
+            return
+        job.worker.lanes_free += job.channels
+        if job.source == "stream":
+            self.streams -= 1
+            self.metrics.active_streams.set(self.streams)
+        else:
+            self.rest_jobs -= 1
+            self.metrics.active_jobs.set(self.rest_jobs)
+
+
+# ---------------------------------------------------------------------------------- worker side
+class _Stream:
+    """A worker's state for one job."""
+
+    __slots__ = ("job", "se", "gain", "acked", "flushing", "dirty", "steps", "frames")
+
+    def __init__(self, job: Job, se: StreamingEnhancer):
+        self.job, self.se = job, se
+        self.gain = np.full(se.channels, se.min_gain, np.float32)
+        self.acked = 0
+        self.flushing = False
+        self.dirty = False  # has output or an acknowledgement to deliver
+        self.steps = 0  # hops stepped so far (frame index of the next step)
+        self.frames: list = []  # metadata not yet delivered: (frame, competition, activity)
+
+
+class Worker(threading.Thread):
+    """One inference session, its lane pool, and the streams placed on it."""
+
+    def __init__(self, index: int, enhancer: Enhancer, lanes: int, metrics: Metrics):
+        super().__init__(name=f"tim-worker-{index}", daemon=True)
+        self.index, self.enhancer, self.metrics = index, enhancer, metrics
+        self.pool = LanePool(enhancer.engine, lanes)
+        self.lanes_free = lanes  # reservations, maintained on the event loop
+        self._cv = threading.Condition()
+        self._inbox: collections.deque = collections.deque()
+        self._stopping = False
+        self.streams: dict[int, _Stream] = {}
+        self._out: list[tuple[Job, Delivery]] = []
+        self._lanes_gauge = metrics.lanes_in_use.labels(worker=str(index))
+
+    def submit(self, cmd) -> None:
+        with self._cv:
+            self._inbox.append(cmd)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ thread body
+    def run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stopping and not self._has_work():
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                cmds = list(self._inbox)
+                self._inbox.clear()
+            for cmd in cmds:
+                self._apply(*cmd)
+            self._round()
+            self._deliver()
+        for st in list(self.streams.values()):
+            self._drop(st)
+
+    def _has_work(self) -> bool:
+        return any(st.dirty or st.se.ready_hops() for st in self.streams.values())
+
+    def _apply(self, op: str, job: Job, arg, seq: int) -> None:
+        st = self.streams.get(job.id)
+        if op == "open":
+            try:
+                se = StreamingEnhancer(self.enhancer.engine, job.sample_rate, job.channels, arg, False, self.pool)
+            except Exception as e:  # noqa: BLE001 - reported to the client, the worker goes on
+                self._fail(job, e)
+                return
+            self.streams[job.id] = _Stream(job, se)
+            self._lanes_gauge.set(self.pool.capacity - self.pool.n_free)
+        elif st is None:
+            return  # closed or failed already
+        elif op == "push":
+            try:
+                st.se.push(arg)
+            except Exception as e:  # noqa: BLE001
+                self._fail(job, e)
+                self._drop(st)
+                return
+            st.acked, st.dirty = seq, True
+        elif op == "end":
+            begin_flush(st.se)
+            st.flushing, st.dirty, st.acked = True, True, seq
+        elif op == "close":
+            self._drop(st)
+
+    def _round(self) -> None:
+        """One batched step over every stream with a ready hop."""
+        ready = [st for st in self.streams.values() if st.se.ready_hops()]
+        if not ready:
+            return
+        lanes = np.concatenate([st.se.lanes for st in ready])
+        hops = np.concatenate([st.se.take_hop() for st in ready])  # (k, hop)
+        gains = np.concatenate([st.gain for st in ready])
+        t0 = time.perf_counter()
+        try:
+            r = self.pool.step(lanes, hops, gains)
+        except Exception as e:  # noqa: BLE001
+            log.exception("inference step failed")
+            for st in ready:
+                self._fail(st.job, e, internal=True)
+                self._drop(st)
+            return
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        self.metrics.batch_size.observe(len(lanes))
+        o = 0
+        counts = collections.Counter()
+        for st in ready:
+            c = st.se.channels
+            comp = None if r.competition is None else r.competition[o:o + c]
+            st.se.put_output(r.out[o:o + c], None, None)
+            if st.job.metadata:
+                st.frames.append((st.steps, comp, r.activity[o:o + c]))
+            st.steps += 1
+            st.dirty = True
+            counts[st.job.source] += 1
+            o += c
+        for source, n in counts.items():
+            self.metrics.frames.labels(source=source).inc(n)
+
+    def _deliver(self) -> None:
+        """Hand over the output of every stream that has nothing left to step."""
+        for st in list(self.streams.values()):
+            if not st.dirty or st.se.ready_hops():
+                continue
+            st.dirty = False
+            se = st.se
+            if st.flushing:
+                audio, final = end_flush(se), True
+            else:
+                audio, final = se.pull().reshape(-1, se.channels), False
+            frames, st.frames = st.frames, []
+            self._out.append((st.job, Delivery(audio, frames, st.acked, final)))
+            if final:
+                self._drop(st)
+        self._post()
+
+    def _fail(self, job: Job, e: Exception, internal: bool = False) -> None:
+        if isinstance(e, AudioError) and not internal:
+            err = ServiceError("invalid_audio", str(e))
+        else:
+            err = ServiceError("internal", "inference failed; the stream was closed")
+        self._out.append((job, Delivery(np.zeros((0, job.channels), np.float32), [], job.sent, True, err)))
+        self._post()
+
+    def _drop(self, st: _Stream) -> None:
+        self.streams.pop(st.job.id, None)
+        st.se.close()
+        self._lanes_gauge.set(self.pool.capacity - self.pool.n_free)
+
+    def _post(self) -> None:
+        if not self._out:
+            return
+        items, self._out = self._out, []
+        by_loop = collections.defaultdict(list)
+        for job, d in items:
+            by_loop[job.loop].append((job, d))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch, batch)
+            except RuntimeError:  # loop closed (shutdown): nobody is listening any more
+                pass
+
+
+def _dispatch(batch) -> None:
+    for job, d in batch:
+        job._deliver(d)

@@ -1,0 +1,89 @@
+"""Service settings: one frozen object built from keyword arguments and environment variables.
+
+Every limit has a default that suits one machine serving real-time streams; `Settings.build`
+validates types and ranges and names the offending field in its error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+API_KEY_ENV = "TIM_ENHANCER_API_KEY"
+CORS_ENV = "TIM_ENHANCER_CORS_ORIGINS"
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: Path | None = None  # None: the shipped model (enhancer.runtime.default_model_path())
+    device: str = "auto"  # auto (CUDA when present, else CPU), cpu or cuda
+    workers: int = 1  # inference workers: one onnxruntime session and lane pool each
+    threads: int = 1  # onnxruntime intra-op threads per worker
+    max_streams: int = 64  # concurrent websocket streams (1013 beyond)
+    max_rest_jobs: int = 4  # concurrent REST enhancements (503 beyond)
+    max_channels: int = 8  # channels of one stream or file
+    api_key: str | None = None  # required on /v1/* when set (REST header, websocket header or query)
+    cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; () = no CORS headers
+    # REST limits
+    max_upload_bytes: int = 200 * 1024 * 1024
+    max_duration_s: float = 3600.0  # longest file accepted by POST /v1/enhance
+    rest_chunk_s: float = 5.0  # decode / enhance / encode block: bounds memory for long files
+    # websocket limits
+    max_message_bytes: int = 1024 * 1024  # one binary or text message (1009 beyond)
+    max_stream_s: float = 4 * 3600.0  # audio one websocket stream may send (1008 beyond)
+    idle_timeout_s: float = 30.0  # no message for this long closes the stream (1008)
+    max_buffered_s: float = 2.0  # audio accepted ahead of inference before reading pauses
+
+    @classmethod
+    def build(cls, **kwargs) -> "Settings":
+        """Settings from keyword arguments; the API key and CORS origins may come from the
+        environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_CORS_ORIGINS, comma-separated)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown setting(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if "api_key" not in kwargs and os.environ.get(API_KEY_ENV):
+            kwargs["api_key"] = os.environ[API_KEY_ENV]
+        if "cors_origins" not in kwargs and os.environ.get(CORS_ENV):
+            kwargs["cors_origins"] = os.environ[CORS_ENV]
+        if isinstance(kwargs.get("cors_origins"), str):
+            kwargs["cors_origins"] = tuple(o.strip() for o in kwargs["cors_origins"].split(",") if o.strip())
+        elif "cors_origins" in kwargs:
+            kwargs["cors_origins"] = tuple(kwargs["cors_origins"])
+        if "model" in kwargs:
+            kwargs["model"] = Path(kwargs["model"])
+        s = cls(**kwargs)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        for name in ("workers", "threads", "max_streams", "max_rest_jobs", "max_channels", "max_upload_bytes",
+                     "max_message_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_channels > 64:
+            raise ValueError(f"max_channels must be <= 64, got {self.max_channels}")
+        for name in ("max_duration_s", "rest_chunk_s", "max_stream_s", "idle_timeout_s", "max_buffered_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if self.api_key is not None and not str(self.api_key).strip():
+            raise ValueError("api_key is empty; omit it to disable authentication")
+
+    @property
+    def lanes_per_worker(self) -> int:
+        """Lanes (one per channel) each worker's pool holds: every mono stream plus every REST job
+        at the widest channel count fit on any one worker. Wider streams use the same budget."""
+        return self.max_streams + self.max_channels * self.max_rest_jobs
+
+    def public(self) -> dict:
+        """The limits a client may see (no secrets)."""
+        keep = ("max_streams", "max_channels", "max_upload_bytes", "max_duration_s", "max_message_bytes",
+                "max_stream_s", "idle_timeout_s")
+        return {k: getattr(self, k) for k in keep} | {"auth": self.api_key is not None}

@@ -1,0 +1,276 @@
+"""Websocket /v1/stream: live audio in, enhanced audio out (protocol in README.md, "Streaming").
+
+    client -> {"sample_rate": 48000, "encoding": "pcm_s16le", "channels": 1,
+               "atten_lim_db": null, "metadata": false}              optional start message
+    server -> {"type": "ready", ...}                                 stream parameters and delay
+    client -> binary audio, any number of whole frames per message
+    server -> binary enhanced audio (same encoding, rate, channels), sample-aligned with the input
+    server -> {"type": "metadata", "frames": [...]}                  only with "metadata": true
+    client -> {"type": "end"}
+    server -> the tail, then {"type": "end", "samples": n}, then close 1000
+
+Errors: {"type": "error", "kind", "message", "code"}, then close with `code` (1003 unsupported
+data, 1007 invalid payload, 1008 policy/auth/limits, 1009 too big, 1011 internal, 1013 over capacity).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from .audio_io import ENCODINGS, decode_pcm, encode_pcm
+from .auth import HEADER, QUERY, check_key
+from .errors import ServiceError
+from .scheduler import Delivery, Job
+
+log = logging.getLogger("tim_enhancer.server")
+
+DEFAULT_START = {"sample_rate": 16000, "encoding": "pcm_s16le", "channels": 1, "atten_lim_db": None, "metadata": False}
+
+router = APIRouter()
+
+
+class _Closed(Exception):
+    """The client went away."""
+
+
+@router.websocket("/v1/stream")
+async def stream(ws: WebSocket) -> None:
+    await ws.accept()
+    session = StreamSession(ws)
+    try:
+        await session.run()
+    except ServiceError as e:
+        await session.fail(e)
+    except _Closed:
+        pass
+    except Exception:  # noqa: BLE001 - a bug: report it as internal and keep serving
+        log.exception("websocket stream failed")
+        await session.fail(ServiceError("internal", "internal error; the stream was closed"))
+    finally:
+        session.cleanup()
+
+
+class StreamSession:
+    def __init__(self, ws: WebSocket):
+        self.ws = ws
+        app = ws.app
+        self.settings, self.scheduler, self.metrics = app.state.settings, app.state.scheduler, app.state.metrics
+        self.job: Job | None = None
+        self.closing = False
+        self.writer: asyncio.Task | None = None
+        self.in_flight: collections.deque = collections.deque()  # (seq, samples) pushed, not yet processed
+        self.buffered = 0
+        self.drained = asyncio.Event()
+        self.samples_in = 0
+        self.samples_out = 0
+
+    # ------------------------------------------------------------------ reading
+    async def run(self) -> None:
+        s = self.settings
+        check_key(s.api_key, self.ws.headers.get(HEADER) or self.ws.query_params.get(QUERY))
+        first = await self._receive()
+        if "text" in first:
+            params = self._start_params(first["text"])
+            first = None
+        else:
+            params = dict(DEFAULT_START)
+        self.encoding = params["encoding"]
+        self.channels = params["channels"]
+        self.job = self.scheduler.open(params["sample_rate"], params["channels"], params["atten_lim_db"],
+                                       params["metadata"], "stream")
+        self.rate = self.job.sample_rate
+        self.max_samples = int(s.max_stream_s * self.rate)
+        self.max_buffered = max(int(s.max_buffered_s * self.rate), 1)
+        await self._send_json(self._ready_message(params))
+        self.writer = asyncio.create_task(self._write())
+        message = first
+        while True:
+            if message is None:
+                message = await self._receive()
+            if "bytes" in message and message["bytes"] is not None:
+                await self._audio(message["bytes"])
+            elif self._control(message.get("text")):
+                break
+            message = None
+        self.job.end()
+        await self.writer
+
+    async def _receive(self) -> dict:
+        try:
+            message = await asyncio.wait_for(self.ws.receive(), timeout=self.settings.idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServiceError("idle_timeout", f"no message for {self.settings.idle_timeout_s:g} s; "
+                               "closing the stream") from None
+        except (WebSocketDisconnect, RuntimeError):
+            raise _Closed() from None
+        if message["type"] == "websocket.disconnect":
+            raise _Closed()
+        data = message.get("bytes")
+        if data is None:
+            data = (message.get("text") or "").encode()
+        if len(data) > self.settings.max_message_bytes:
+            raise ServiceError("too_large", f"a message of {len(data)} bytes is over the limit of "
+                               f"{self.settings.max_message_bytes} bytes; send smaller chunks")
+        return message
+
+    def _start_params(self, text: str) -> dict:
+        msg = _parse_json(text)
+        if not isinstance(msg, dict) or msg.get("type", "start") != "start":
+            raise ServiceError("bad_request", 'the first text message must be the start message, a JSON object like '
+                               '{"sample_rate": 48000, "encoding": "pcm_s16le", "channels": 1}')
+        unknown = sorted(set(msg) - set(DEFAULT_START) - {"type"})
+        if unknown:
+            raise ServiceError("invalid_parameter", f"unknown start field(s) {', '.join(unknown)}; "
+                               f"known: {', '.join(DEFAULT_START)}")
+        params = DEFAULT_START | {k: v for k, v in msg.items() if k != "type"}
+        if params["encoding"] not in ENCODINGS:
+            raise ServiceError("unsupported_media", f"encoding {params['encoding']!r} is not supported; "
+                               f"use one of {', '.join(ENCODINGS)}")
+        if not isinstance(params["metadata"], bool):
+            raise ServiceError("invalid_parameter", f"metadata must be true or false, got {params['metadata']!r}")
+        for name in ("sample_rate", "channels"):
+            if not isinstance(params[name], int) or isinstance(params[name], bool):
+                raise ServiceError("invalid_parameter", f"{name} must be an integer, got {params[name]!r}")
+        atten = params["atten_lim_db"]
+        if atten is not None and (not isinstance(atten, (int, float)) or isinstance(atten, bool)):
+            raise ServiceError("invalid_parameter", f"atten_lim_db must be a number or null, got {atten!r}")
+        return params
+
+    def _ready_message(self, params: dict) -> dict:
+        cfg = self.scheduler.enhancer.config
+        model_rate = cfg.stft.sample_rate
+        return {
+            "type": "ready", "sample_rate": self.rate, "encoding": self.encoding, "channels": self.channels,
+            "atten_lim_db": params["atten_lim_db"], "metadata": params["metadata"],
+            "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / model_rate,
+            "delay_samples": round(cfg.delay_samples * self.rate / model_rate),
+            "max_message_bytes": self.settings.max_message_bytes,
+        }
+
+    async def _audio(self, data: bytes) -> None:
+        x = decode_pcm(data, self.encoding, self.channels)
+        n = x.shape[0]
+        if n == 0:
+            return
+        self.samples_in += n
+        if self.samples_in > self.max_samples:
+            raise ServiceError("too_long", f"the stream is over the limit of {self.settings.max_stream_s:g} s of audio")
+        while self.buffered >= self.max_buffered:  # inference is behind: stop reading until it catches up
+            self.drained.clear()
+            await self._wait_drained()
+        seq = self.job.push(x)
+        self.in_flight.append((seq, n))
+        self.buffered += n
+        self.metrics.stream_seconds.inc(n / self.rate)
+
+    async def _wait_drained(self) -> None:
+        waiter = asyncio.ensure_future(self.drained.wait())
+        done, _ = await asyncio.wait({waiter, self.writer}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            waiter.cancel()
+            raise _Closed()  # the writer ended (error sent, or the client is gone)
+
+    def _control(self, text: str | None) -> bool:
+        """Handle a text message during the stream; True on the end message."""
+        msg = _parse_json(text or "")
+        if isinstance(msg, dict) and msg.get("type") == "end":
+            return True
+        if isinstance(msg, dict) and msg.get("type", "start") == "start":
+            raise ServiceError("bad_request", "the start message must be the first message of the stream")
+        raise ServiceError("unsupported_media", "text messages carry JSON control messages ({\"type\": \"end\"}) "
+                           "only; send audio as binary messages")
+
+    # ------------------------------------------------------------------ writing
+    async def _write(self) -> None:
+        """Forward deliveries to the client until the final one (or an error)."""
+        while True:
+            d: Delivery = await self.job.next()
+            if d.error is not None:
+                await self.fail(d.error)
+                return
+            self._acknowledge(d.acked)
+            if d.audio.shape[0]:
+                self.samples_out += d.audio.shape[0]
+                await self._send_bytes(encode_pcm(d.audio, self.encoding))
+            if d.frames:
+                await self._send_json(self._metadata_message(d.frames))
+            if d.final:
+                await self._send_json({"type": "end", "samples": self.samples_out})
+                await self._close(1000)
+                return
+
+    def _acknowledge(self, acked: int) -> None:
+        while self.in_flight and self.in_flight[0][0] <= acked:
+            self.buffered -= self.in_flight.popleft()[1]
+        self.drained.set()
+
+    def _metadata_message(self, frames) -> dict:
+        cfg = self.scheduler.enhancer.config
+        hop, delay, rate = cfg.stft.hop, cfg.delay_samples, cfg.stft.sample_rate
+        out = []
+        for index, comp, act in frames:
+            start = index * hop - delay  # first output sample (model rate) of this frame's hop
+            if start < 0:
+                continue  # frames that only fill the model's delay
+            f = {"frame": int(index), "time_s": round(start / rate, 4),
+                 "activity": np.round(act.astype(float), 4).tolist()}
+            if comp is not None:
+                f["competition"] = np.round(comp.astype(float), 4).tolist()  # (channels, tim_layers, mechanisms)
+            out.append(f)
+        return {"type": "metadata", "frames": out}
+
+    # ------------------------------------------------------------------ sending and closing
+    async def _send_bytes(self, data: bytes) -> None:
+        try:
+            await self.ws.send_bytes(data)
+        except Exception:  # noqa: BLE001 - the client is gone
+            raise _Closed() from None
+
+    async def _send_json(self, msg: dict) -> None:
+        try:
+            await self.ws.send_text(json.dumps(msg, separators=(",", ":")))
+        except Exception:  # noqa: BLE001
+            raise _Closed() from None
+
+    async def fail(self, err: ServiceError) -> None:
+        """Report `err` to the client and close with its code (once)."""
+        if self.closing:
+            return
+        self.metrics.errors.labels(kind=err.kind).inc()
+        if self.writer is not None and self.writer is not asyncio.current_task():
+            self.writer.cancel()  # one sender at a time: let the writer stop before the error goes out
+            await asyncio.gather(self.writer, return_exceptions=True)
+        try:
+            await self._send_json(err.ws_message())
+        except _Closed:
+            pass
+        await self._close(err.close_code, err.message)
+
+    async def _close(self, code: int, reason: str = "") -> None:
+        if self.closing:
+            return
+        self.closing = True
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            try:
+                await self.ws.close(code, reason[:120])
+            except Exception:  # noqa: BLE001
+                pass
+
+    def cleanup(self) -> None:
+        if self.writer is not None and not self.writer.done():
+            self.writer.cancel()
+        if self.job is not None:
+            self.job.close()
+
+
+def _parse_json(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
