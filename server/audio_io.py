@@ -166,11 +166,22 @@ class AudioWriter:
         self.format, self.subtype = fmt, subtype
 
     def write(self, block: np.ndarray) -> None:
-        if block.shape[0]:
+        if not block.shape[0]:
+            return
+        if self.subtype == "PCM_16":  # round to nearest, as the websocket's pcm_s16le does
+            self.sf.write(np.clip(np.round(block * 32768.0), -32768, 32767).astype(np.int16))
+        else:
             self.sf.write(np.clip(block, -1.0, 1.0) if self.clip else block)
 
     def close(self) -> None:
         self.sf.close()
+
+    def abort(self) -> None:
+        """Close after a failure (the output is thrown away)."""
+        try:
+            self.sf.close()
+        except Exception:  # noqa: BLE001 - the real error is already on its way to the client
+            pass
 
     @property
     def media_type(self) -> str:

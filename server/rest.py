@@ -94,7 +94,7 @@ async def enhance(
     finally:
         upload.close()
     request.app.state.metrics.rest_seconds.observe(time.perf_counter() - t0)
-    size = out_file.tell()
+    size = out_file.seek(0, 2)  # encoders may seek back to finish their header: measure from the end
     out_file.seek(0)
     info = reader.info
     headers = {"Content-Length": str(size), "X-Sample-Rate": str(info.sample_rate), "X-Channels": str(info.channels),
@@ -108,6 +108,7 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
     settings, scheduler = request.app.state.settings, request.app.state.scheduler
     reader = AudioReader(upload, settings.max_channels, settings.max_duration_s)
     out_file = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+    writer = None
     try:
         info = reader.info
         fmt, subtype = output_format(format, info)
@@ -123,6 +124,8 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
             job.close()
         writer.close()
     except BaseException:
+        if writer is not None:
+            writer.abort()
         out_file.close()
         raise
     finally:

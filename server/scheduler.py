@@ -353,18 +353,24 @@ class Worker(threading.Thread):
             self.metrics.frames.labels(source=source).inc(n)
 
     def _deliver(self) -> None:
-        """Hand over the output of every stream that has nothing left to step."""
+        """Hand over output: live streams after every round they took part in (so a stream that is
+        behind still gets audio hop by hop), files and flushing streams once they have no hop left.
+        A push is acknowledged once all of its audio has been stepped."""
         for st in list(self.streams.values()):
-            if not st.dirty or st.se.ready_hops():
+            if not st.dirty:
                 continue
-            st.dirty = False
             se = st.se
+            drained = not se.ready_hops()
+            if not drained and (st.flushing or st.job.source != "stream"):
+                continue
+            st.dirty = not drained
             if st.flushing:
                 audio, final = end_flush(se), True
             else:
                 audio, final = se.pull().reshape(-1, se.channels), False
             frames, st.frames = st.frames, []
-            self._out.append((st.job, Delivery(audio, frames, st.acked, final)))
+            acked = st.acked if drained else 0
+            self._out.append((st.job, Delivery(audio, frames, acked, final)))
             if final:
                 self._drop(st)
         self._post()

@@ -1,0 +1,278 @@
+"""Load benchmark: N websocket clients stream a real file at real-time pace for T seconds.
+
+    python -m server.loadtest --streams 32 --seconds 30            # starts a local server
+    python -m server.loadtest --streams 32 --url ws://127.0.0.1:8000/v1/stream --server-pid PID
+
+Each client sends `--chunk-ms` of audio every `--chunk-ms` (start times spread over one chunk
+period, as independent clients are) and reads the enhanced audio back. Output is sample-aligned
+with the input, so the enhanced version of input sample p is output sample p; for every output
+message the latency of its first (oldest) sample is `arrival time - time the chunk holding that
+sample was sent`. A message is late when that latency exceeds the budget: by default
+algorithmic latency + one chunk + 64 ms for processing, queueing and the resamplers.
+Reports late messages, latency p50/p99/max, server CPU (% of one core) and peak memory.
+
+With no --model and no shipped models/tim.onnx, a random-weight `tim` preset (default window) is
+exported once to artifacts/loadtest/ (needs torch in this environment; the server stays torch-free):
+speed does not depend on the weights.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_FILES = sorted((ROOT.parent / "shared" / "data" / "dev" / "valentini_p287" / "noisy").glob("*.wav"))
+RANDOM_MODEL = ROOT / "artifacts" / "loadtest" / "tim-random.onnx"
+
+
+# ---------------------------------------------------------------------------------- set-up
+def model_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from enhancer.runtime import default_model_path
+
+    shipped = default_model_path()
+    if shipped.is_file():
+        return shipped
+    if not RANDOM_MODEL.is_file():
+        print(f"exporting a random-weight tim preset to {RANDOM_MODEL} ...", flush=True)
+        RANDOM_MODEL.parent.mkdir(parents=True, exist_ok=True)
+        code = ("import torch, enhancer; from enhancer.export import export_step; torch.manual_seed(0); "
+                "m = enhancer.build_model(enhancer.ModelConfig.preset('tim')).eval(); "
+                f"export_step(m, {str(RANDOM_MODEL)!r}, check=False)")
+        subprocess.run([sys.executable, "-c", code], check=True)
+    return RANDOM_MODEL
+
+
+def load_audio(path: str | None, rate: int | None) -> tuple[np.ndarray, int]:
+    """Mono int16 audio to stream (the file's rate, or resampled to `rate`)."""
+    import soundfile as sf
+
+    from enhancer.signal import resample
+
+    if path is None and not DEFAULT_FILES:
+        raise SystemExit("no --file given and no default data set found")
+    files = [Path(path)] if path else DEFAULT_FILES
+    parts, sr = [], None
+    for f in files:
+        x, r = sf.read(str(f), dtype="float32", always_2d=True)
+        x = x.mean(axis=1)
+        sr = sr or r
+        parts.append(resample(x, r, sr) if r != sr else x)
+    x = np.concatenate(parts)
+    if rate and rate != sr:
+        x, sr = resample(x, sr, rate), rate
+    return np.clip(np.round(x * 32768), -32768, 32767).astype("<i2"), sr
+
+
+def start_server(model: Path, streams: int, workers: int, threads: int) -> tuple[subprocess.Popen, str]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    code = (f"import server; server.run(host='127.0.0.1', port={port}, model={str(model)!r}, device='cpu', "
+            f"workers={workers}, max_streams={max(streams, 1)}, threads={threads})")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    import httpx
+
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc, f"ws://127.0.0.1:{port}/v1/stream"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not become ready in 120 s")
+
+
+# ---------------------------------------------------------------------------------- process stats
+class ProcStats:
+    """CPU time and resident memory of a process, from /proc."""
+
+    def __init__(self, pid: int | None):
+        self.pid = pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.peak_rss = 0
+
+    def cpu_seconds(self) -> float:
+        if self.pid is None:
+            return float("nan")
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / self.tick
+
+    def rss_mb(self) -> float:
+        if self.pid is None:
+            return float("nan")
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                mb = int(line.split()[1]) / 1024
+                self.peak_rss = max(self.peak_rss, mb)
+                return mb
+        return float("nan")
+
+
+# ---------------------------------------------------------------------------------- clients
+class Client:
+    def __init__(self, index: int, audio: np.ndarray, rate: int, chunk: int, offset: int):
+        self.index, self.audio, self.rate, self.chunk, self.offset = index, audio, rate, chunk, offset
+        self.sent_times: list[float] = []  # send time of chunk k (covers samples [k*chunk, (k+1)*chunk))
+        self.latencies: list[float] = []
+        self.samples_out = 0
+        self.error: str | None = None
+        self.delay_samples = 0
+
+    def chunk_at(self, k: int) -> bytes:
+        n = len(self.audio)
+        start = (self.offset + k * self.chunk) % n
+        idx = (start + np.arange(self.chunk)) % n
+        return self.audio[idx].tobytes()
+
+    async def run(self, url: str, t0: float, seconds: float, start_delay: float) -> None:
+        import websockets
+
+        try:
+            async with websockets.connect(url, max_size=None, ping_interval=None) as ws:
+                await ws.send(json.dumps({"sample_rate": self.rate, "encoding": "pcm_s16le", "channels": 1}))
+                ready = json.loads(await ws.recv())
+                if ready.get("type") != "ready":
+                    self.error = f"no ready message: {ready}"
+                    return
+                self.delay_samples = ready["delay_samples"]
+                reader = asyncio.create_task(self._read(ws))
+                n_chunks = int(seconds * self.rate / self.chunk)
+                start = t0 + start_delay
+                period = self.chunk / self.rate
+                for k in range(n_chunks):
+                    wait = start + k * period - time.perf_counter()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    self.sent_times.append(time.perf_counter())
+                    await ws.send(self.chunk_at(k))
+                await ws.send(json.dumps({"type": "end"}))
+                await reader
+        except Exception as e:  # noqa: BLE001 - reported in the summary
+            self.error = f"{type(e).__name__}: {e}"
+
+    async def _read(self, ws) -> None:
+        async for message in ws:
+            now = time.perf_counter()
+            if isinstance(message, str):
+                msg = json.loads(message)
+                if msg.get("type") == "error":
+                    self.error = msg["message"]
+                continue
+            first = self.samples_out  # oldest sample in this message
+            self.samples_out += len(message) // 2
+            k = first // self.chunk
+            if k < len(self.sent_times):
+                self.latencies.append(now - self.sent_times[k])
+
+
+async def run_clients(url: str, audio: np.ndarray, rate: int, args) -> list[Client]:
+    chunk = int(rate * args.chunk_ms / 1000)
+    rng = np.random.default_rng(0)
+    clients = [Client(i, audio, rate, chunk, int(rng.integers(len(audio)))) for i in range(args.streams)]
+    t0 = time.perf_counter() + 0.5
+    period = chunk / rate
+    await asyncio.gather(*(c.run(url, t0, args.seconds, period * i / max(args.streams, 1))
+                           for i, c in enumerate(clients)))
+    return clients
+
+
+async def sample_stats(stats: ProcStats, stop: asyncio.Event, interval: float = 0.5) -> None:
+    while not stop.is_set():
+        stats.rss_mb()
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def measure(url: str, audio, rate, args, server_pid) -> dict:
+    stats = ProcStats(server_pid)
+    me = ProcStats(os.getpid())
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_stats(stats, stop))
+    cpu0, my0, t0 = stats.cpu_seconds(), me.cpu_seconds(), time.perf_counter()
+    clients = await run_clients(url, audio, rate, args)
+    wall = time.perf_counter() - t0
+    cpu1, my1 = stats.cpu_seconds(), me.cpu_seconds()
+    stop.set()
+    await sampler
+    lat = np.array([x for c in clients for x in c.latencies]) * 1000
+    budget = args.budget_ms
+    errors = [f"client {c.index}: {c.error}" for c in clients if c.error]
+    return {
+        "streams": args.streams, "seconds": args.seconds, "rate": rate, "chunk_ms": args.chunk_ms,
+        "messages": int(lat.size), "late": int((lat > budget).sum()), "budget_ms": budget,
+        "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+        "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+        "latency_max_ms": float(lat.max()) if lat.size else None,
+        "server_cpu_pct": 100 * (cpu1 - cpu0) / wall, "client_cpu_pct": 100 * (my1 - my0) / wall,
+        "server_peak_rss_mb": stats.peak_rss, "errors": errors,
+        "complete": all(c.samples_out == len(c.sent_times) * c.chunk for c in clients if not c.error),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m server.loadtest", description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--url", help="websocket URL of a running server (default: start one)")
+    p.add_argument("--server-pid", type=int, help="PID of the server at --url, for CPU and memory figures")
+    p.add_argument("--model", help="model for the started server (default: shipped, else random-weight tim)")
+    p.add_argument("--workers", type=int, default=2, help="inference workers of the started server")
+    p.add_argument("--threads", type=int, default=1, help="onnxruntime threads per worker")
+    p.add_argument("--file", help="audio to stream (default: the dev set's noisy files)")
+    p.add_argument("--rate", type=int, help="resample the file to this rate before streaming")
+    p.add_argument("--chunk-ms", type=float, default=20.0)
+    p.add_argument("--budget-ms", type=float, help="late threshold (default: latency + chunk + 64 ms)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    audio, rate = load_audio(args.file, args.rate)
+    proc = None
+    url, pid = args.url, args.server_pid
+    if url is None:
+        model = model_path(args.model)
+        proc, url = start_server(model, args.streams, args.workers, args.threads)
+        pid = proc.pid
+    try:
+        if args.budget_ms is None:
+            import httpx
+
+            ready = httpx.get(url.replace("ws", "http", 1).rsplit("/v1/", 1)[0] + "/readyz", timeout=5).json()
+            args.budget_ms = ready["latency_ms"] + args.chunk_ms + 64.0
+        result = asyncio.run(measure(url, audio, rate, args, pid))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=15)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['streams']} streams x {result['seconds']:g} s at {rate} Hz, {args.chunk_ms:g} ms chunks: "
+              f"{result['late']} late of {result['messages']} messages (budget {result['budget_ms']:.0f} ms); "
+              f"latency p50 {result['latency_p50_ms']:.1f} ms, p99 {result['latency_p99_ms']:.1f} ms, "
+              f"max {result['latency_max_ms']:.1f} ms; server CPU {result['server_cpu_pct']:.0f} % "
+              f"(client {result['client_cpu_pct']:.0f} %), server peak RSS {result['server_peak_rss_mb']:.0f} MB; "
+              f"complete: {result['complete']}")
+        for e in result["errors"][:10]:
+            print("  error:", e)
+    return 0 if not result["errors"] and result["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Websocket /v1/stream against the real server: round trips, concurrency, disconnects, bad input."""
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import time
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect as aconnect
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from tests.conftest import speechlike
+
+LSB = 1 / 32768
+
+
+def to_bytes(x: np.ndarray, encoding: str) -> bytes:
+    if encoding == "pcm_s16le":
+        return np.clip(np.round(x * 32768), -32768, 32767).astype("<i2").tobytes()
+    return x.astype("<f4").tobytes()
+
+
+def from_bytes(data: bytes, encoding: str, channels: int) -> np.ndarray:
+    dtype = "<i2" if encoding == "pcm_s16le" else "<f4"
+    x = np.frombuffer(data, dtype).reshape(-1, channels).astype(np.float32)
+    return x / 32768 if encoding == "pcm_s16le" else x
+
+
+def stream_through(url: str, x: np.ndarray, sr: int, encoding: str, chunks, start: dict | None = None):
+    """Send `x` (n, channels) in chunks of the given sizes, then end; returns (output, messages, close code)."""
+    channels = x.shape[1]
+    out, texts = [], []
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"sample_rate": sr, "encoding": encoding, "channels": channels} | (start or {})))
+        ready = json.loads(ws.recv(timeout=10))
+        assert ready["type"] == "ready", ready
+        texts.append(ready)
+        i = 0
+        for n in chunks:
+            ws.send(to_bytes(x[i:i + n], encoding))
+            i += n
+        assert i == len(x)
+        ws.send(json.dumps({"type": "end"}))
+        try:
+            while True:
+                m = ws.recv(timeout=30)
+                if isinstance(m, bytes):
+                    out.append(from_bytes(m, encoding, channels))
+                else:
+                    texts.append(json.loads(m))
+        except ConnectionClosed:
+            pass
+        code = ws.close_code
+    y = np.concatenate(out) if out else np.zeros((0, channels), np.float32)
+    return y, texts, code
+
+
+def random_chunks(n: int, rng, low=1, high=6000):
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(int(min(rng.integers(low, high), n - sum(sizes))))
+    return sizes
+
+
+@pytest.mark.parametrize("sr,channels,encoding", [(48000, 1, "f32le"), (16000, 1, "pcm_s16le"),
+                                                   (44100, 2, "pcm_s16le"), (8000, 2, "f32le")])
+def test_round_trip_random_chunks_equals_offline(live, enhancer_rt, sr, channels, encoding):
+    rng = np.random.default_rng(sr + channels)
+    x = speechlike(int(1.3 * sr), sr, seed=sr, channels=channels if channels > 1 else 0).reshape(int(1.3 * sr), channels)
+    sent = from_bytes(to_bytes(x, encoding), encoding, channels)  # what the server decodes
+    y, texts, code = stream_through(live.ws_url, x, sr, encoding, random_chunks(len(x), rng))
+    assert code == 1000
+    assert texts[-1] == {"type": "end", "samples": len(x)}
+    assert texts[0]["delay_samples"] == round(768 * sr / 16000) and texts[0]["latency_ms"] == 64.0
+    ref = enhancer_rt.enhance(sent if channels > 1 else sent[:, 0], sr).reshape(sent.shape)
+    assert y.shape == x.shape
+    atol = 1e-5 if encoding == "f32le" else LSB * 0.5 + 1e-5
+    np.testing.assert_allclose(y, np.clip(ref, -1, 1) if encoding == "pcm_s16le" else ref, rtol=0, atol=atol)
+
+
+def test_metadata_frames(live, enhancer_rt):
+    sr, n = 16000, 16000
+    x = speechlike(n, sr, seed=4)[:, None]
+    y, texts, code = stream_through(live.ws_url, x, sr, "f32le", [1600] * 10, {"metadata": True})
+    assert code == 1000 and len(y) == n
+    frames = [f for t in texts if t["type"] == "metadata" for f in t["frames"]]
+    cfg = enhancer_rt.config
+    # one frame per 16 ms hop of output: the input's hops, none of the delay-only ones
+    assert len(frames) >= n // cfg.stft.hop
+    assert [f["frame"] for f in frames] == list(range(frames[0]["frame"], frames[0]["frame"] + len(frames)))
+    comp = np.array([f["competition"] for f in frames])  # (frames, channels, tim layers, mechanisms)
+    assert comp.shape[1:] == (1, cfg.n_tim_layers, cfg.n_mechanisms)
+    np.testing.assert_allclose(comp.sum(-1), 1.0, atol=2e-3)  # a competition: scores sum to one
+    act = np.array([f["activity"] for f in frames])
+    assert act.shape == (len(frames), 1) and ((act >= 0) & (act <= 1)).all()
+    assert frames[0]["time_s"] == 0.0
+
+
+def test_16_concurrent_streams_get_their_own_audio(live, enhancer_rt):
+    sr = 16000
+    signals = [speechlike(int(sr * 1.5), sr, seed=100 + i)[:, None] for i in range(16)]
+    batches_before = (live.metrics.batch_size._sum.get(), sum(b.get() for b in live.metrics.batch_size._buckets))
+
+    async def one(i):
+        rng = np.random.default_rng(i)
+        x = signals[i]
+        out = []
+        async with aconnect(live.ws_url, max_size=None) as ws:
+            await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
+            assert json.loads(await ws.recv())["type"] == "ready"
+
+            async def reader():
+                async for m in ws:
+                    if isinstance(m, bytes):
+                        out.append(from_bytes(m, "f32le", 1))
+
+            task = asyncio.create_task(reader())
+            pos = 0
+            for n in random_chunks(len(x), rng, 200, 2000):
+                await ws.send(to_bytes(x[pos:pos + n], "f32le"))
+                pos += n
+                await asyncio.sleep(0.002)
+            await ws.send(json.dumps({"type": "end"}))
+            await task
+            assert ws.close_code == 1000
+        return np.concatenate(out)
+
+    async def all_streams():
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    outputs = asyncio.run(all_streams())
+    for x, y in zip(signals, outputs):
+        ref = enhancer_rt.enhance(x[:, 0], sr)[:, None]
+        assert y.shape == x.shape
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5)
+    # the scheduler really batched streams together
+    s, c = live.metrics.batch_size._sum.get(), sum(b.get() for b in live.metrics.batch_size._buckets)
+    assert (s - batches_before[0]) / (c - batches_before[1]) > 2.0
+    live.wait_idle()
+
+
+def _rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_disconnect_mid_stream_frees_state(live):
+    """200 clients that vanish mid-stream (no end message, some mid-send): no stream, lane or memory left."""
+    chunk = to_bytes(speechlike(4000, 16000, seed=1), "pcm_s16le")
+
+    async def vanish(i):
+        ws = await aconnect(live.ws_url)
+        await ws.send(json.dumps({"sample_rate": 16000, "metadata": i % 2 == 0}))
+        await ws.recv()
+        for _ in range(1 + i % 3):
+            await ws.send(chunk)
+        if i % 2:
+            ws.transport.abort()  # no close handshake at all
+        else:
+            await ws.close()
+
+    async def run(rounds):
+        for r in range(rounds):
+            await asyncio.gather(*(vanish(r * 10 + k) for k in range(10)))
+
+    asyncio.run(run(4))  # warm-up: allocator and caches reach their working size
+    live.wait_idle()
+    rss0 = _rss_mb()
+    t = time.time()
+    asyncio.run(run(20))
+    live.wait_idle()
+    grown = _rss_mb() - rss0
+    assert live.scheduler.streams == 0 and not live.scheduler.jobs
+    assert all(w.lanes_free == w.pool.capacity for w in live.scheduler.workers)
+    assert grown < 40, f"memory grew by {grown:.0f} MB over 200 disconnects"
+    assert time.time() - t < 60
+
+
+# ---------------------------------------------------------------------------------- bad input
+def expect_close(url: str, messages, code: int, kind: str | None = None, words: str = "", start=True, **kw):
+    """Send `messages` and expect an error JSON then close `code`."""
+    with connect(url, max_size=None, **kw) as ws:
+        if start:
+            ws.send(json.dumps({"sample_rate": 16000, "encoding": "pcm_s16le"} if start is True else start))
+        texts = []
+        try:
+            for m in messages:
+                ws.send(m)
+            while True:
+                m = ws.recv(timeout=10)
+                if isinstance(m, str):
+                    texts.append(json.loads(m))
+        except ConnectionClosed:
+            pass
+        assert ws.close_code == code, (ws.close_code, texts)
+    errors = [t for t in texts if t["type"] == "error"]
+    if kind is not None:
+        assert errors and errors[-1]["kind"] == kind and errors[-1]["code"] == code, texts
+        assert words.lower() in errors[-1]["message"].lower(), errors
+
+
+def test_text_frame_where_audio_belongs(live):
+    expect_close(live.ws_url, [b"\x00\x00" * 100, "here is some audio"], 1003, "unsupported_media", "binary")
+
+
+def test_unknown_encoding(live):
+    expect_close(live.ws_url, [], 1003, "unsupported_media", "encoding", start={"encoding": "mp3"})
+
+
+@pytest.mark.parametrize("rate", [5, 10_000_000, "fast"])
+def test_absurd_sample_rate(live, rate):
+    expect_close(live.ws_url, [], 1007, "invalid_parameter", "sample", start={"sample_rate": rate})
+
+
+def test_bad_start_fields(live):
+    expect_close(live.ws_url, [], 1007, "invalid_parameter", "channels", start={"channels": 99})
+    expect_close(live.ws_url, [], 1007, "invalid_parameter", "unknown", start={"samplerate": 16000})
+    expect_close(live.ws_url, [], 1007, "invalid_parameter", "atten_lim_db", start={"atten_lim_db": -1})
+    expect_close(live.ws_url, [], 1007, "bad_request", "start message", start=["not", "an", "object"])
+
+
+def test_partial_sample_frame(live):
+    expect_close(live.ws_url, [b"\x01\x02\x03"], 1007, "invalid_audio", "whole number")
+
+
+def test_nan_samples(live):
+    x = np.zeros(1000, "<f4")
+    x[10] = np.inf
+    expect_close(live.ws_url, [x.tobytes()], 1007, "invalid_audio", "nan",
+                 start={"sample_rate": 16000, "encoding": "f32le"})
+
+
+def test_second_start_message(live):
+    expect_close(live.ws_url, [json.dumps({"sample_rate": 16000})], 1007, "bad_request", "first message")
+
+
+def test_message_too_big(live):
+    big = bytes(live.settings.max_message_bytes + 2)
+    expect_close(live.ws_url, [big], 1009, "too_large", "limit")
+
+
+def test_too_many_streams(live_auth):
+    key = {"additional_headers": {"X-API-Key": "s3cret-key"}}
+    with connect(live_auth.ws_url, **key) as a, connect(live_auth.ws_url, **key) as b:
+        for ws in (a, b):
+            ws.send(json.dumps({"sample_rate": 16000}))
+            assert json.loads(ws.recv(timeout=10))["type"] == "ready"
+        expect_close(live_auth.ws_url, [], 1013, "over_capacity", "limit", **key)
+    live_auth.wait_idle()
+    expect_close(live_auth.ws_url, [json.dumps({"type": "end"})], 1000, **key)
+
+
+def test_idle_timeout(live_auth):
+    with connect(live_auth.ws_url + "?api_key=s3cret-key") as ws:
+        ws.send(json.dumps({"sample_rate": 16000}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "ready"
+        t = time.time()
+        msg = json.loads(ws.recv(timeout=10))
+        assert msg["kind"] == "idle_timeout" and msg["code"] == 1008
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+        assert ws.close_code == 1008
+        assert 0.5 < time.time() - t < 5
+
+
+def test_api_key(live_auth):
+    url = live_auth.ws_url
+    expect_close(url, [], 1008, "unauthorized", "api key", start=False)
+    expect_close(url + "?api_key=wrong", [], 1008, "forbidden", "not valid", start=False)
+    expect_close(url, [], 1008, "forbidden", start=False, additional_headers={"X-API-Key": "nope"})
+    # the right key, by query or header: a normal (empty) stream
+    expect_close(url + "?api_key=s3cret-key", [json.dumps({"type": "end"})], 1000)
+    expect_close(url, [json.dumps({"type": "end"})], 1000, additional_headers={"X-API-Key": "s3cret-key"})
+
+
+def test_empty_stream_ends_cleanly(live):
+    y, texts, code = stream_through(live.ws_url, np.zeros((0, 1), np.float32), 16000, "f32le", [])
+    assert code == 1000 and y.shape == (0, 1) and texts[-1] == {"type": "end", "samples": 0}
+
+
+def test_binary_first_uses_defaults(live, enhancer_rt):
+    """No start message: 16 kHz mono pcm_s16le."""
+    x = speechlike(8000, 16000, seed=11)
+    data = to_bytes(x, "pcm_s16le")
+    out = []
+    with connect(live.ws_url) as ws:
+        ws.send(data)
+        ready = json.loads(ws.recv(timeout=10))
+        assert ready["sample_rate"] == 16000 and ready["encoding"] == "pcm_s16le"
+        ws.send(json.dumps({"type": "end"}))
+        try:
+            while True:
+                m = ws.recv(timeout=10)
+                if isinstance(m, bytes):
+                    out.append(from_bytes(m, "pcm_s16le", 1))
+        except ConnectionClosed:
+            pass
+        assert ws.close_code == 1000
+    ref = enhancer_rt.enhance(from_bytes(data, "pcm_s16le", 1)[:, 0], 16000)
+    np.testing.assert_allclose(np.concatenate(out)[:, 0], np.clip(ref, -1, 1), rtol=0, atol=LSB * 0.5 + 1e-5)
+
+
+def test_server_keeps_serving(live, enhancer_rt):
+    """After all the errors above, a stream still round-trips and nothing is left behind."""
+    x = speechlike(16000, 16000, seed=12)[:, None]
+    y, _, code = stream_through(live.ws_url, x, 16000, "f32le", [3000] * 5 + [1000])
+    assert code == 1000
+    np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000), rtol=0, atol=1e-5)
+    live.wait_idle()
