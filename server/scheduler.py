@@ -150,6 +150,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self.streams = 0
         self.rest_jobs = 0
+        self.opened = 0  # jobs ever admitted
         self.jobs: dict[int, Job] = {}
 
     # lifecycle
@@ -210,6 +211,7 @@ class Scheduler:
         job = Job(self, worker, sample_rate, channels, bool(metadata), source)
         worker.lanes_free -= channels
         self.jobs[job.id] = job
+        self.opened += 1
         if source == "stream":
             self.streams += 1
             self.metrics.active_streams.set(self.streams)

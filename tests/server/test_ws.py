@@ -170,10 +170,12 @@ def test_disconnect_mid_stream_frees_state(live):
 
     asyncio.run(run(4))  # warm-up: allocator and caches reach their working size
     live.wait_idle()
-    rss0 = _rss_mb()
+    rss0, opened0, audio0 = _rss_mb(), live.scheduler.opened, live.metrics.stream_seconds._value.get()
     t = time.time()
     asyncio.run(run(20))
     live.wait_idle()
+    assert live.scheduler.opened - opened0 == 200
+    assert live.metrics.stream_seconds._value.get() - audio0 > 0.5 * 200 * 2 * 0.25  # most audio did arrive
     grown = _rss_mb() - rss0
     assert live.scheduler.streams == 0 and not live.scheduler.jobs
     assert all(w.lanes_free == w.pool.capacity for w in live.scheduler.workers)

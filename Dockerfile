@@ -1,0 +1,44 @@
+# tim-enhancer service image.
+#   CPU (default):  docker build -t tim-enhancer .
+#   CUDA:           docker build -t tim-enhancer:gpu --build-arg DEVICE=gpu .
+#   run:            docker run --rm -p 8000:8000 tim-enhancer            (add --gpus all for the CUDA image)
+# The image holds the inference runtime and the service only (no torch), plus the shipped model.
+ARG DEVICE=cpu
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+FROM ${PYTHON_IMAGE} AS base-cpu
+
+FROM ${CUDA_IMAGE} AS base-gpu
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+
+# hadolint ignore=DL3006
+FROM base-${DEVICE}
+ARG DEVICE
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    TIM_ENHANCER_MODEL=/app/models/tim.onnx
+
+WORKDIR /app
+COPY pyproject.toml README.md* ./
+COPY enhancer ./enhancer
+COPY server ./server
+# onnxruntime (DEVICE=cpu) or onnxruntime-gpu (DEVICE=gpu): pyproject's extras pin every version
+# hadolint ignore=DL3013
+RUN python3 -m venv /opt/venv \
+    && pip install --no-cache-dir "numpy==2.4.6" \
+    && pip install --no-cache-dir ".[${DEVICE},serve]" \
+    && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin enhancer
+COPY models ./models
+
+USER 10001
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4).status != 200)"]
+CMD ["enhancer", "serve", "--host", "0.0.0.0", "--port", "8000"]
