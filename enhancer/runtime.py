@@ -362,4 +362,4 @@ class Enhancer:
         step = max(1, int(chunk_seconds * sr))
         parts = [s.feed(a[i:i + step]) for i in range(0, a.shape[0], step)]
         parts.append(s.flush())
-        return np.concatenate(parts, axis=0)
+        return np.concatenate(parts, axis=0).reshape(a.shape)

@@ -58,26 +58,24 @@ class EncoderBlock(nn.Module):
         return qkv[0], qkv[1], qkv[2]
 
     def _after_attention(self, h: torch.Tensor, m: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
-        b, _, t, _ = m.shape
-        m = m.view(b, self.g, self.heads_per_mech, t, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, T, G, Hg, dh)
-        m = self.out(m.reshape(b, t, self.g, self.dm))  # (B, T, G, dm)
+        """h, m: (..., G, dm) with m the attention read-out of each mechanism's heads."""
+        m = self.out(m)  # (..., G, dm)
         if c is not None:
             m = c * m
         h = self.norm_attn(h + self.drop(m))
         if self.g > 1:
             h = self.norm_inter(h + self.drop(self._inter(h)))
         f = self.ffn_out(F.leaky_relu(self.ffn_in(h), self.slope))
-        return self.norm_ffn(h + self.drop(f))  # (B, T, G, dm)
+        return self.norm_ffn(h + self.drop(f))  # (..., G, dm)
 
     def _inter(self, h: torch.Tensor) -> torch.Tensor:
         """Attention across mechanisms at each position (mechanisms play the role of positions)."""
-        b, t = h.shape[:2]
-        qkv = self.inter_qkv(h).view(b, t, self.g, 3, self.inter_heads, self.inter_dim)
-        qkv = qkv.permute(3, 0, 1, 4, 2, 5)  # (3, B, T, Hc, G, dc)
-        s = (qkv[0] @ qkv[1].transpose(-1, -2)) * (self.inter_dim ** -0.5)  # (B, T, Hc, G, G)
-        m = torch.softmax(s, dim=-1) @ qkv[2]  # (B, T, Hc, G, dc)
-        m = m.permute(0, 1, 3, 2, 4).reshape(b, t, self.g, self.inter_heads * self.inter_dim)
-        return self.inter_out(m)  # (B, T, G, dm)
+        g, hc, dc = self.g, self.inter_heads, self.inter_dim
+        qkv = self.inter_qkv(h).reshape(-1, g, 3, hc, dc).permute(2, 0, 3, 1, 4)  # (3, N, Hc, G, dc)
+        s = (qkv[0] @ qkv[1].transpose(-1, -2)) * (dc ** -0.5)  # (N, Hc, G, G)
+        m = (torch.softmax(s, dim=-1) @ qkv[2]).transpose(1, 2)  # (N, G, Hc, dc)
+        m = m.reshape(h.shape[:-1] + (hc * dc,)) if h.dim() > 3 else m.reshape(-1, g, hc * dc)
+        return self.inter_out(m)  # (..., G, dm)
 
     # ------------------------------------------------------------------ whole sequence
     def forward(self, x: torch.Tensor, mask: torch.Tensor):
@@ -87,32 +85,37 @@ class EncoderBlock(nn.Module):
         c = self._compete(h)
         q, k, v = self._qkv(h)  # (B, H, T, dh)
         m = attend(q, k, v, mask)  # (B, H, T, dh)
-        h = self._after_attention(h, m, c)
+        m = m.view(b, self.g, self.heads_per_mech, t, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, T, G, Hg, dh)
+        h = self._after_attention(h, m.reshape(b, t, self.g, self.dm), c)
         return h.reshape(b, t, -1), (None if c is None else c[..., 0])
 
     # ------------------------------------------------------------------ one frame
     def step(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor):
         """One frame against the key/value ring buffer of this layer.
 
-        x: (B, 1, d_model); k/v_cache: (B, H, W, dh), slot `p % W` holding frame p's key/value for
+        x: (B, d_model); k/v_cache: (B, H, W, dh), slot `p % W` holding frame p's key/value for
         the W most recent frames p < pos; pos: (B,) int64 index of this frame in its stream.
         The caches are only read: the frame's own key/value are returned as rows (B, H, dh) for
         the caller to write into slot `pos % W` in place (a graph output would be a full copy).
-        Returns y (B, 1, d_model), k_row, v_row, competition (B, G) or None.
+        Returns y (B, d_model), k_row, v_row, competition (B, G) or None.
+        Written with constant shapes (batch as -1) so the exported graph has no shape arithmetic.
         """
-        b = x.shape[0]
-        h = x.view(b, 1, self.g, self.dm)
-        c = self._compete(h)
-        q, k, v = self._qkv(h)  # (B, H, 1, dh)
-        scale = self.head_dim ** -0.5
-        slots = torch.arange(self.window, device=x.device)[None, :]  # (1, W)
+        g, hd, nh, w = self.g, self.head_dim, self.n_heads, self.window
+        h = x.reshape(-1, g, self.dm)  # (B, G, dm)
+        c = None if self.competition is None else torch.softmax(self.competition(h), dim=1)  # (B, G, 1)
+        qkv = self.qkv(h).reshape(-1, g, 3, self.heads_per_mech, hd)  # (B, G, 3, Hg, dh)
+        q = qkv[:, :, 0].reshape(-1, nh, 1, hd)  # (B, H, 1, dh), heads mechanism-major
+        k = qkv[:, :, 1].reshape(-1, nh, hd)  # (B, H, dh)
+        v = qkv[:, :, 2].reshape(-1, nh, hd)
+        scale = hd ** -0.5
+        slots = torch.arange(w, device=x.device)[None, :]  # (1, W)
         # slot j holds frame pos - W + ((j - pos) mod W); it is in the window unless it is the slot
         # this frame replaces (frame pos - W) or was never written (j >= pos)
-        valid = (slots < pos[:, None]) & (slots != (pos % self.window)[:, None])  # (B, W)
-        s_cache = (q @ k_cache.transpose(-1, -2)) * scale  # (B, H, 1, W)
-        s_cache = s_cache.masked_fill(~valid[:, None, None, :], float("-inf"))
-        s_self = (q * k).sum(-1, keepdim=True) * scale  # (B, H, 1, 1)
-        p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)  # (B, H, 1, W+1)
-        m = p[..., : self.window] @ v_cache + p[..., self.window:] * v  # (B, H, 1, dh)
-        h = self._after_attention(h, m, c)
-        return h.reshape(b, 1, -1), k[:, :, 0], v[:, :, 0], (None if c is None else c[:, 0, :, 0])
+        valid = (slots < pos[:, None]) & (slots != (pos % w)[:, None])  # (B, W)
+        s_cache = (q @ k_cache.transpose(-1, -2)).reshape(-1, nh, w) * scale  # (B, H, W)
+        s_cache = s_cache.masked_fill(~valid[:, None, :], float("-inf"))
+        s_self = (q.reshape(-1, nh, hd) * k).sum(-1, keepdim=True) * scale  # (B, H, 1)
+        p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)  # (B, H, W+1)
+        m = (p[:, :, None, :w] @ v_cache).reshape(-1, nh, hd) + p[:, :, w:] * v  # (B, H, dh)
+        h = self._after_attention(h, m.reshape(-1, g, self.dm), c)  # (B, G, dm)
+        return h.reshape(-1, g * self.dm), k, v, (None if c is None else c.reshape(-1, g))

@@ -25,10 +25,10 @@ class ConvLayer(nn.Module):
         return F.leaky_relu(self.norm(y), self.slope)
 
     def step(self, x: torch.Tensor, tail: torch.Tensor):
-        """x: (B, 1, C_in), tail: (B, K-1, C_in) -> y (B, 1, C_out), new tail."""
-        win = torch.cat([tail, x], dim=1)  # (B, K, C_in)
+        """x: (B, C_in), tail: (B, K-1, C_in) -> y (B, C_out), new tail."""
+        win = torch.cat([tail, x[:, None, :]], dim=1)  # (B, K, C_in)
         w = self.conv.weight.permute(0, 2, 1).reshape(self.conv.out_channels, -1)  # (C_out, K*C_in)
-        y = F.linear(win.reshape(win.shape[0], 1, -1), w, self.conv.bias)  # (B, 1, C_out)
+        y = F.linear(win.reshape(-1, self.kernel * self.conv.in_channels), w, self.conv.bias)  # (B, C_out)
         return F.leaky_relu(self.norm(y), self.slope), win[:, 1:]
 
 

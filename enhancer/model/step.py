@@ -58,9 +58,9 @@ class StreamingStep(nn.Module):
         spec = torch.cat([prev_hop, hop], dim=-1) @ self.fwd_basis  # (B, 2F) = [re | im]
         re, im = spec[:, :f], spec[:, f:]
         logmag = torch.log(torch.sqrt(re * re + im * im) + cfg.log_eps)  # (B, F)
-        x = net.normalize(logmag)[:, None, :]  # (B, 1, F)
+        x = net.normalize(logmag)  # (B, F)
         x, tails = net.pre.step(x, tails)
-        x = net.proj(x)  # (B, 1, d_model)
+        x = net.proj(x)  # (B, d_model)
         k_rows, v_rows, comps = [], [], []
         for block, k, v in zip(net.blocks, ks, vs):
             x, k_row, v_row, c = block.step(x, k, v, pos)
@@ -68,7 +68,7 @@ class StreamingStep(nn.Module):
             v_rows.append(v_row)
             if c is not None:
                 comps.append(c)
-        gain = torch.sigmoid(net.head(x[:, 0]))  # (B, F)
+        gain = torch.sigmoid(net.head(x))  # (B, F)
         gain = torch.maximum(gain, min_gain[:, None])
         spec_delay = torch.cat([spec_delay[:, 1:], spec[:, None]], dim=1)  # (B, L+1, 2F)
         frame = (spec_delay[:, 0] * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, n_fft)

@@ -1,0 +1,90 @@
+"""`enhancer bench`: latency and throughput of the step graph on this machine.
+
+Measures, with one intra-op thread per session: the algorithmic latency; compute per 16 ms step
+(p50/p99) at several batch sizes (streams stacked in one call, rings written in place as in serving);
+the real-time factor of offline `enhance`; how many streams one core holds in real time (the largest
+measured batch whose p99 step time fits in one hop); and the peak resident memory.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+import numpy as np
+
+from .runtime import Enhancer, LanePool
+
+BATCHES = (1, 4, 16, 32, 64)
+
+
+def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: int = 0) -> np.ndarray:
+    """Milliseconds per `LanePool.step` of `batch` streams, after `warmup` steps."""
+    pool = LanePool(enh.engine, batch)
+    lanes = pool.alloc(batch)
+    rng = np.random.default_rng(seed)
+    hop = enh.config.stft.hop
+    audio = (rng.standard_normal((warmup + steps, batch, hop)) * 0.05).astype(np.float32)
+    gain = np.zeros(batch, np.float32)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        pool.step(lanes, audio[i], gain)
+        times.append(time.perf_counter() - t0)
+    return np.array(times[warmup:]) * 1000.0
+
+
+def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0) -> dict:
+    cfg = enh.config
+    hop_ms = 1000.0 * cfg.stft.hop / cfg.stft.sample_rate
+    res = {
+        "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
+        "provider": enh.provider, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
+        "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.window,
+        "step": [],
+    }
+    for b in batches:
+        ms = time_steps(enh, b, steps if b <= 16 else max(60, steps // 4))
+        res["step"].append({
+            "batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "per_stream_p50_ms": float(np.percentile(ms, 50) / b),
+            "realtime": bool(np.percentile(ms, 99) <= hop_ms),
+        })
+    ok = [s["batch"] for s in res["step"] if s["realtime"]]
+    res["streams_per_core"] = max(ok) if ok else 0
+    best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
+    res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
+    x = (np.random.default_rng(1).standard_normal(int(seconds * 16000)) * 0.05).astype(np.float32)
+    t0 = time.perf_counter()
+    enh.enhance(x, 16000)
+    res["offline_rtf"] = (time.perf_counter() - t0) / seconds
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return res
+
+
+def format_table(res: dict) -> str:
+    lines = [
+        f"model            {res['model']} ({res['preset']}, {res['parameters']:,} parameters, {res['provider']})",
+        f"latency          {res['algorithmic_latency_ms']:.0f} ms algorithmic (window + lookahead); "
+        f"output stream delay {res['stream_delay_ms']:.0f} ms",
+        "",
+        "batch   p50 ms/step   p99 ms/step   ms/stream (p50)   real time (p99 <= 16 ms)",
+    ]
+    for s in res["step"]:
+        lines.append(f"{s['batch']:>5}   {s['p50_ms']:>11.2f}   {s['p99_ms']:>11.2f}   {s['per_stream_p50_ms']:>15.3f}   "
+                     f"{'yes' if s['realtime'] else 'no'}")
+    lines += [
+        "",
+        f"streams per core {res['streams_per_core']} (largest measured batch in real time); "
+        f"{res['streams_per_core_throughput']:.1f} by best per-stream throughput",
+        f"offline enhance  real-time factor {res['offline_rtf']:.3f} (1 thread)",
+        f"peak memory      {res['peak_rss_mb']:.0f} MB RSS",
+    ]
+    return "\n".join(lines)
+
+
+def main(enh: Enhancer, as_json: bool = False, steps: int = 300) -> int:
+    res = run(enh, steps=steps)
+    sys.stdout.write(json.dumps(res, indent=2) + "\n" if as_json else format_table(res) + "\n")
+    return 0

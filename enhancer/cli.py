@@ -1,0 +1,170 @@
+"""`enhancer` command line: denoise, serve, export, info, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import EnhancerError
+
+
+def _enhancer(model: str | None, device: str = "auto", preset: str | None = None):
+    from .runtime import Enhancer
+
+    providers = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}[device]
+    if preset:  # random weights, for speed measurements of a preset without a trained model (needs torch)
+        from . import ModelConfig, build_model
+        from .export import export_step
+
+        path = Path(tempfile.mkdtemp()) / f"{preset}.onnx"
+        export_step(build_model(ModelConfig.preset(preset)).eval(), path, check=False)
+        model = str(path)
+    return Enhancer.from_pretrained(model, providers=providers)
+
+
+def cmd_denoise(a) -> int:
+    from tqdm import tqdm
+
+    from .audio_io import enhance_file, find_audio
+
+    enh = _enhancer(a.model, a.device)
+    files = find_audio([Path(p) for p in a.inputs])
+    if not files:
+        raise EnhancerError("no audio files found in the inputs")
+    out = Path(a.output)
+    single_file = len(a.inputs) == 1 and Path(a.inputs[0]).is_file() and out.suffix and not out.is_dir()
+    import soundfile as sf
+
+    total = 0
+    for src, _ in files:
+        try:
+            total += sf.info(str(src)).frames
+        except (sf.LibsndfileError, RuntimeError):
+            pass
+    failed = 0
+    with tqdm(total=total, unit="sample", unit_scale=True, disable=a.quiet, desc="denoise") as bar:
+        for src, rel in files:
+            dst = out if single_file else out / rel
+            try:
+                enhance_file(enh, src, dst, a.atten_lim_db, progress=bar.update)
+            except EnhancerError as e:
+                failed += 1
+                tqdm.write(f"error: {e}", file=sys.stderr)
+    n_ok = len(files) - failed
+    if not a.quiet:
+        print(f"{n_ok} file(s) written to {out}" + (f", {failed} failed" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_export(a) -> int:
+    from .checkpoint import load_checkpoint
+    from .export import export_step
+
+    model = load_checkpoint(a.checkpoint)
+    report = export_step(model, a.output, check=not a.no_check, verbose=False)
+    print(json.dumps(report, indent=2))
+    if "max_abs_diff" in report and report["max_abs_diff"] > 1e-4:
+        print(f"error: onnxruntime differs from torch by {report['max_abs_diff']:.3g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_info(a) -> int:
+    path = Path(a.model) if a.model else None
+    if path is not None and path.suffix in (".pt", ".ckpt", ".pth"):
+        from .checkpoint import load_checkpoint
+        from .model import count_parameters
+
+        model = load_checkpoint(path)
+        cfg, params, extra = model.config, count_parameters(model), {"versions": model.checkpoint.get("versions")}
+    elif path is None and a.preset:
+        from . import ModelConfig, build_model
+        from .model import count_parameters
+
+        cfg = ModelConfig.preset(a.preset)
+        params, extra = count_parameters(build_model(cfg)), {}
+    else:
+        enh = _enhancer(a.model)
+        cfg, params, extra = enh.config, enh.engine.parameters, {"provider": enh.provider, "file": str(enh.engine.path)}
+    info = {
+        "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
+        "stream_delay_samples_16k": cfg.delay_samples, "lookahead_frames": cfg.lookahead,
+        "attention_window_frames": cfg.window, **extra, "config": cfg.to_dict(),
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .bench import main as bench_main
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return bench_main(_enhancer(a.model, "cpu" if a.device == "auto" else a.device, a.preset), as_json=a.json, steps=a.steps)
+
+
+def cmd_serve(a) -> int:
+    import server
+
+    server.run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers,
+               max_streams=a.max_streams, api_key=a.api_key)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="enhancer", description="Real-time speech enhancement (TIM).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("denoise", help="enhance audio files or folders")
+    d.add_argument("inputs", nargs="+", help="audio files or folders (any format libsndfile reads)")
+    d.add_argument("-o", "--output", required=True, help="output file (one input file) or folder")
+    d.add_argument("--atten-lim-db", type=float, default=None, help="limit noise attenuation to this many dB")
+    d.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
+    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    d.add_argument("-q", "--quiet", action="store_true")
+    d.set_defaults(fn=cmd_denoise)
+
+    s = sub.add_parser("serve", help="run the REST + websocket service")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=None)
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    s.add_argument("--workers", type=int, default=1, help="inference workers (one onnxruntime session each)")
+    s.add_argument("--max-streams", type=int, default=64)
+    s.add_argument("--api-key", default=None, help="require this key (default: $TIM_ENHANCER_API_KEY if set)")
+    s.set_defaults(fn=cmd_serve)
+
+    e = sub.add_parser("export", help="export a checkpoint's streaming step graph to ONNX")
+    e.add_argument("checkpoint")
+    e.add_argument("-o", "--output", required=True)
+    e.add_argument("--no-check", action="store_true", help="skip onnx.checker and the onnxruntime/torch comparison")
+    e.set_defaults(fn=cmd_export)
+
+    i = sub.add_parser("info", help="config, parameters and latency of a model")
+    i.add_argument("model", nargs="?", default=None, help=".onnx or checkpoint (default: the shipped model)")
+    i.add_argument("--preset", default=None, help="describe a preset instead of a file (needs torch)")
+    i.set_defaults(fn=cmd_info)
+
+    b = sub.add_parser("bench", help="step latency, throughput, real-time factor, memory")
+    b.add_argument("--model", default=None)
+    b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    b.add_argument("--steps", type=int, default=300)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except (EnhancerError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Shared fixtures: small models exported once per test session (random weights, fixed seed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+SHORT_WINDOW = 16  # attention window (frames) of the test models: test inputs are longer than it
+
+
+@pytest.fixture(scope="session")
+def torch_model():
+    """A `tim` model with a short attention window and non-trivial normalisation, in eval mode."""
+    import torch
+
+    import enhancer
+
+    torch.manual_seed(0)
+    cfg = enhancer.ModelConfig.preset("tim", window=SHORT_WINDOW)
+    model = enhancer.build_model(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    model.set_normalization(torch.randn(cfg.n_freqs, generator=g) * 0.5 - 4.0, torch.rand(cfg.n_freqs, generator=g) + 1.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def model_path(torch_model, tmp_path_factory):
+    """`torch_model` exported to ONNX (the step graph the runtime and server load)."""
+    from enhancer.export import export_step
+
+    path = tmp_path_factory.mktemp("model") / "tim-test.onnx"
+    export_step(torch_model, path, check=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def enhancer_rt(model_path):
+    from enhancer.runtime import Enhancer
+
+    return Enhancer.from_pretrained(model_path, providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def speechlike(n: int, sr: int = 16000, seed: int = 0, channels: int = 0) -> np.ndarray:
+    """Deterministic harmonic bursts plus noise: audio with structure for round-trip tests."""
+    r = np.random.default_rng(seed)
+    t = np.arange(n) / sr
+    f0 = 120 + 40 * np.sin(2 * np.pi * 0.7 * t)
+    voiced = sum(np.sin(2 * np.pi * k * np.cumsum(f0) / sr) / k for k in range(1, 8))
+    env = (np.sin(2 * np.pi * 2.0 * t) > -0.2).astype(np.float64)
+    x = 0.2 * voiced * env + 0.02 * r.standard_normal(n)
+    x = x.astype(np.float32)
+    if channels:
+        x = np.stack([np.roll(x, 37 * c) * (1.0 - 0.2 * c) for c in range(channels)], axis=1)
+    return x
