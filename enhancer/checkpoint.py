@@ -24,7 +24,7 @@ def versions() -> dict[str, str]:
 
     from . import __version__
 
-    return {"enhancer": __version__, "torch": torch.__version__, "numpy": numpy.__version__,
+    return {"enhancer": str(__version__), "torch": str(torch.__version__), "numpy": str(numpy.__version__),
             "python": platform.python_version()}
 
 

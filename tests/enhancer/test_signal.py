@@ -1,0 +1,100 @@
+"""Signal path: STFT round trip, numpy == torch, resampling, input checks."""
+import numpy as np
+import pytest
+import torch
+
+from enhancer import STFTConfig
+from enhancer.errors import AudioError
+from enhancer.model import features as tf
+from enhancer import signal as ns
+from tests.conftest import speechlike
+
+
+def test_window_pair_sums_to_one_at_half_overlap():
+    w = ns.sqrt_hann(512).astype(np.float64)
+    wsq = w * w
+    np.testing.assert_allclose(wsq[:256] + wsq[256:], 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 16000, 48123])
+def test_stft_round_trip(n):
+    x = speechlike(n, seed=n)
+    spec = ns.stft(x)
+    assert spec.shape == (ns.n_frames_for(n), 257)
+    y = ns.istft(spec, n)
+    assert y.shape == (n,)
+    np.testing.assert_allclose(y, x, atol=2e-6)
+
+
+def test_stft_batched_round_trip():
+    x = np.stack([speechlike(5000, seed=s) for s in range(3)])
+    np.testing.assert_allclose(ns.istft(ns.stft(x), 5000), x, atol=2e-6)
+
+
+def test_numpy_and_torch_stft_agree():
+    x = speechlike(12345, seed=3)
+    a = ns.stft(x)
+    b = tf.stft(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(a).max())
+    fa = ns.log_magnitude(a, 1e-4)
+    fb = tf.log_magnitude(torch.from_numpy(b), 1e-4).numpy()
+    np.testing.assert_allclose(fa, fb, atol=1e-4)
+    np.testing.assert_allclose(tf.istft(torch.from_numpy(a), 12345).numpy(), ns.istft(a, 12345), atol=1e-6)
+
+
+def test_dft_bases_match_rfft():
+    cfg = STFTConfig()
+    fwd, inv = tf.dft_bases(cfg)
+    frame = speechlike(512, seed=9)
+    spec = np.fft.rfft(frame * ns.sqrt_hann(512))
+    got = frame @ fwd
+    np.testing.assert_allclose(got[:257], spec.real, atol=1e-4)
+    np.testing.assert_allclose(got[257:], spec.imag, atol=1e-4)
+    back = np.concatenate([spec.real, spec.imag]).astype(np.float32) @ inv
+    np.testing.assert_allclose(back, np.fft.irfft(spec, 512) * ns.sqrt_hann(512), atol=1e-5)
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000])
+def test_resample_round_trip(rate):
+    x = speechlike(16000, seed=1)
+    up = ns.resample(x, 16000, rate)
+    assert abs(up.shape[0] - rate) <= 1
+    back = ns.resample(up, rate, 16000)
+    assert abs(back.shape[0] - 16000) <= 1
+    if rate > 16000:  # nothing above 8 kHz is lost going up and back down
+        n = min(len(back), 16000)
+        err = back[200:n - 200] - x[200:n - 200]
+        assert np.sqrt(np.mean(err ** 2)) < 0.05 * np.sqrt(np.mean(x ** 2))
+
+
+def test_resample_keeps_channels():
+    x = speechlike(8000, channels=3)
+    y = ns.resample(x, 16000, 44100)
+    assert y.shape[1] == 3 and abs(y.shape[0] - 22050) <= 1
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.zeros(0, np.float32), "empty"),
+    (np.zeros((4, 4, 4), np.float32), "shape"),
+    (np.array([0.0, np.nan, 0.1], np.float32), "NaN or Inf"),
+    (np.array([0.0, np.inf], np.float32), "NaN or Inf"),
+    (np.array(["a", "b"]), "numeric"),
+    (np.zeros((10, 0), np.float32), "0 channels"),
+    (np.zeros((2, 1000), np.float32), "transposed"),
+])
+def test_check_audio_errors(bad, match):
+    with pytest.raises(AudioError, match=match):
+        ns.check_audio(bad)
+
+
+def test_integer_pcm_is_scaled():
+    x = np.array([-32768, 0, 16384], np.int16)
+    np.testing.assert_allclose(ns.check_audio(x), [-1.0, 0.0, 0.5])
+    u = np.array([0, 128, 255], np.uint8)
+    np.testing.assert_allclose(ns.check_audio(u), [-1.0, 0.0, 127 / 128])
+
+
+@pytest.mark.parametrize("rate", [0, -16000, 999, 10**9, 16000.5, "fast", None])
+def test_absurd_rates_are_rejected(rate):
+    with pytest.raises(AudioError, match="sample rate"):
+        ns.check_rate(rate)
