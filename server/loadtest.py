@@ -201,15 +201,32 @@ async def sample_stats(stats: ProcStats, stop: asyncio.Event, interval: float = 
             pass
 
 
+def scrape(url: str) -> dict[str, float]:
+    """The server's step and batch counters (sums and counts) from /metrics."""
+    import httpx
+
+    base = url.replace("ws", "http", 1).rsplit("/v1/", 1)[0]
+    values = {}
+    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+        name = line.split(" ")[0]
+        if name in ("tim_step_seconds_sum", "tim_step_seconds_count", "tim_batch_size_sum", "tim_batch_size_count"):
+            values[name] = float(line.split()[-1])
+    return values
+
+
 async def measure(url: str, audio, rate, args, server_pid) -> dict:
     stats = ProcStats(server_pid)
     me = ProcStats(os.getpid())
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_stats(stats, stop))
+    m0 = await asyncio.to_thread(scrape, url)
     cpu0, my0, t0 = stats.cpu_seconds(), me.cpu_seconds(), time.perf_counter()
     clients = await run_clients(url, audio, rate, args)
     wall = time.perf_counter() - t0
     cpu1, my1 = stats.cpu_seconds(), me.cpu_seconds()
+    m1 = await asyncio.to_thread(scrape, url)
+    d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
+    steps = d.get("tim_step_seconds_count", 0.0)
     stop.set()
     await sampler
     lat = np.array([x for c in clients for x in c.latencies]) * 1000
@@ -223,6 +240,9 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
         "latency_max_ms": float(lat.max()) if lat.size else None,
         "server_cpu_pct": 100 * (cpu1 - cpu0) / wall, "client_cpu_pct": 100 * (my1 - my0) / wall,
         "server_peak_rss_mb": stats.peak_rss, "errors": errors,
+        "steps": int(steps), "mean_batch": d.get("tim_batch_size_sum", 0.0) / steps if steps else None,
+        "mean_step_ms": 1000 * d.get("tim_step_seconds_sum", 0.0) / steps if steps else None,
+        "step_busy_pct": 100 * d.get("tim_step_seconds_sum", 0.0) / wall,
         "complete": all(c.samples_out == len(c.sent_times) * c.chunk for c in clients if not c.error),
     }
 
@@ -269,6 +289,9 @@ def main(argv=None) -> int:
               f"max {result['latency_max_ms']:.1f} ms; server CPU {result['server_cpu_pct']:.0f} % "
               f"(client {result['client_cpu_pct']:.0f} %), server peak RSS {result['server_peak_rss_mb']:.0f} MB; "
               f"complete: {result['complete']}")
+        if result["steps"]:
+            print(f"  {result['steps']} steps, mean batch {result['mean_batch']:.1f} lanes, mean step "
+                  f"{result['mean_step_ms']:.2f} ms, inference busy {result['step_busy_pct']:.0f} % of one core")
         for e in result["errors"][:10]:
             print("  error:", e)
     return 0 if not result["errors"] and result["complete"] else 1

@@ -165,7 +165,7 @@ class Scheduler:
                                    "(install the [gpu] extra on a machine with CUDA)")
         for i in range(s.workers):
             enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
-            self.workers.append(Worker(i, enh, s.lanes_per_worker, self.metrics))
+            self.workers.append(Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000))
         for w in self.workers:
             w.start()
 
@@ -237,7 +237,7 @@ class Scheduler:
 class _Stream:
     """A worker's state for one job."""
 
-    __slots__ = ("job", "se", "gain", "acked", "flushing", "dirty", "steps", "frames")
+    __slots__ = ("job", "se", "gain", "acked", "flushing", "dirty", "steps", "frames", "ready_since")
 
     def __init__(self, job: Job, se: StreamingEnhancer):
         self.job, self.se = job, se
@@ -247,14 +247,16 @@ class _Stream:
         self.dirty = False  # has output or an acknowledgement to deliver
         self.steps = 0  # hops stepped so far (frame index of the next step)
         self.frames: list = []  # metadata not yet delivered: (frame, competition, activity)
+        self.ready_since = 0.0  # when its oldest ready hop became ready (perf_counter)
 
 
 class Worker(threading.Thread):
     """One inference session, its lane pool, and the streams placed on it."""
 
-    def __init__(self, index: int, enhancer: Enhancer, lanes: int, metrics: Metrics):
+    def __init__(self, index: int, enhancer: Enhancer, lanes: int, metrics: Metrics, max_wait_s: float = 0.0):
         super().__init__(name=f"tim-worker-{index}", daemon=True)
         self.index, self.enhancer, self.metrics = index, enhancer, metrics
+        self.max_wait = max_wait_s  # longest a ready hop waits for other streams to join its step
         self.pool = LanePool(enhancer.engine, lanes)
         self.lanes_free = lanes  # reservations, maintained on the event loop
         self._cv = threading.Condition()
@@ -278,21 +280,40 @@ class Worker(threading.Thread):
     def run(self) -> None:
         while True:
             with self._cv:
-                while not self._inbox and not self._stopping and not self._has_work():
-                    self._cv.wait()
+                while not self._inbox and not self._stopping:
+                    wait = self._batch_wait()
+                    if wait == 0:
+                        break
+                    self._cv.wait(wait)  # None: until a command arrives
                 if self._stopping:
                     break
                 cmds = list(self._inbox)
                 self._inbox.clear()
             for cmd in cmds:
                 self._apply(*cmd)
+            if cmds and self._batch_wait() != 0:
+                self._deliver()  # acknowledgements and errors; the step waits for more streams
+                continue
             self._round()
             self._deliver()
         for st in list(self.streams.values()):
             self._drop(st)
 
-    def _has_work(self) -> bool:
-        return any(st.dirty or st.se.ready_hops() for st in self.streams.values())
+    def _batch_wait(self) -> float | None:
+        """Seconds to hold the next step so that more live streams join it (0: step now, None:
+        nothing to step). Only while every ready stream has exactly one hop (no backlog), some live
+        streams are not ready yet, and no hop has waited `max_wait` yet."""
+        ready = [st for st in self.streams.values() if st.se.ready_hops()]
+        if not ready:
+            return None
+        if self.max_wait <= 0 or any(st.se.ready_hops() > 1 or st.flushing or st.job.source != "stream"
+                                     for st in ready):
+            return 0
+        live = sum(1 for st in self.streams.values() if st.job.source == "stream" and not st.flushing)
+        if len(ready) >= live:
+            return 0
+        remaining = min(st.ready_since for st in ready) + self.max_wait - time.perf_counter()
+        return remaining if remaining > 0 else 0
 
     def _apply(self, op: str, job: Job, arg, seq: int) -> None:
         st = self.streams.get(job.id)
@@ -307,6 +328,7 @@ class Worker(threading.Thread):
         elif st is None:
             return  # closed or failed already
         elif op == "push":
+            had_hop = st.se.ready_hops() > 0
             try:
                 st.se.push(arg)
             except Exception as e:  # noqa: BLE001
@@ -314,6 +336,8 @@ class Worker(threading.Thread):
                 self._drop(st)
                 return
             st.acked, st.dirty = seq, True
+            if not had_hop:
+                st.ready_since = time.perf_counter()
         elif op == "end":
             begin_flush(st.se)
             st.flushing, st.dirty, st.acked = True, True, seq

@@ -24,6 +24,7 @@ class Settings:
     max_streams: int = 64  # concurrent websocket streams (1013 beyond)
     max_rest_jobs: int = 4  # concurrent REST enhancements (503 beyond)
     max_channels: int = 8  # channels of one stream or file
+    max_batch_wait_ms: float = 4.0  # a ready hop may wait this long for other live streams to join its step
     api_key: str | None = None  # required on /v1/* when set (REST header, websocket header or query)
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; () = no CORS headers
     # REST limits
@@ -73,6 +74,8 @@ class Settings:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if not isinstance(self.max_batch_wait_ms, (int, float)) or not 0 <= self.max_batch_wait_ms <= 16:
+            raise ValueError(f"max_batch_wait_ms must be a number in 0..16, got {self.max_batch_wait_ms!r}")
         if self.api_key is not None and not str(self.api_key).strip():
             raise ValueError("api_key is empty; omit it to disable authentication")
 
