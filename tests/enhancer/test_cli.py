@@ -1,0 +1,76 @@
+"""Command line: export, info, denoise (files, folders, formats), bad input."""
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+import enhancer
+from enhancer.cli import main
+from enhancer.runtime import Enhancer
+from tests.conftest import speechlike
+
+
+@pytest.mark.parametrize("preset", ["baseline", "tim-nocomp", "tim4", "tim-lowlatency"])
+def test_export_every_variant_matches_torch(tmp_path, preset, capsys):
+    torch.manual_seed(0)
+    cfg = enhancer.ModelConfig.preset(preset, window=8)
+    ckpt = enhancer.save_checkpoint(enhancer.build_model(cfg).eval(), cfg, tmp_path / "m.pt")
+    assert main(["export", str(ckpt), "-o", str(tmp_path / "m.onnx")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["max_abs_diff"] < 1e-5  # over 2 windows + 8 steps: the rings wrap around
+    enh = Enhancer.from_pretrained(tmp_path / "m.onnx")
+    assert enh.config == cfg
+    x = speechlike(4000)
+    ref = enhancer.load_checkpoint(ckpt).enhance(torch.from_numpy(x)[None])[0].numpy()
+    np.testing.assert_allclose(enh.enhance(x, 16000), ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_info_reads_the_onnx_metadata(model_path, capsys):
+    assert main(["info", str(model_path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["preset"] == "tim" and info["algorithmic_latency_ms"] == 64.0
+    assert info["parameters"] == 6987947 and info["provider"] == "CPUExecutionProvider"
+
+
+@pytest.mark.parametrize("fmt, subtype, rate, channels", [
+    ("WAV", "PCM_16", 16000, 1), ("FLAC", "PCM_24", 44100, 2), ("OGG", "VORBIS", 48000, 1), ("WAV", "FLOAT", 8000, 2),
+])
+def test_denoise_keeps_format_rate_channels_length(tmp_path, model_path, enhancer_rt, fmt, subtype, rate, channels):
+    x = speechlike(int(0.6 * rate), sr=rate, seed=3, channels=channels if channels > 1 else 0)
+    ext = {"WAV": "wav", "FLAC": "flac", "OGG": "ogg"}[fmt]
+    src = tmp_path / f"in.{ext}"
+    sf.write(src, x, rate, subtype=subtype, format=fmt)
+    dst = tmp_path / f"out.{ext}"
+    assert main(["denoise", str(src), "-o", str(dst), "--model", str(model_path), "-q"]) == 0
+    info_in, info_out = sf.info(src), sf.info(dst)
+    assert (info_out.format, info_out.subtype, info_out.samplerate, info_out.channels, info_out.frames) == \
+           (info_in.format, info_in.subtype, info_in.samplerate, info_in.channels, info_in.frames)
+    if fmt != "OGG":  # lossless: the file holds what enhance returns for the decoded input
+        decoded, _ = sf.read(src, dtype="float32")
+        got, _ = sf.read(dst, dtype="float32")
+        ref = np.clip(enhancer_rt.enhance(decoded, rate), -1, 1)
+        tol = {"FLOAT": 1e-5, "PCM_16": 1.01 / 2 ** 15, "PCM_24": 1.01 / 2 ** 23}[subtype]  # one quantisation step
+        np.testing.assert_allclose(got, ref, atol=tol)
+
+
+def test_denoise_folder_and_bad_files(tmp_path, model_path, capsys):
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    sf.write(src / "a.wav", speechlike(5000), 16000)
+    sf.write(src / "sub" / "b.flac", speechlike(7000, seed=1), 16000)
+    (src / "broken.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEjunk")
+    (src / "notes.txt").write_text("not audio")
+    out = tmp_path / "out"
+    code = main(["denoise", str(src), "-o", str(out), "--model", str(model_path), "-q"])
+    assert code == 1  # one file failed, the others are written
+    assert sf.info(out / "a.wav").frames == 5000
+    assert sf.info(out / "sub" / "b.flac").frames == 7000
+    assert not (out / "broken.wav").exists() and not list(out.rglob("*.part"))
+    assert "broken.wav: not readable audio" in capsys.readouterr().err
+
+
+def test_denoise_missing_input(tmp_path, model_path, capsys):
+    assert main(["denoise", str(tmp_path / "nope.wav"), "-o", str(tmp_path / "o.wav"), "--model", str(model_path)]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
