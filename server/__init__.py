@@ -26,8 +26,10 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
     handler, which answers with a JSON error and 1009; uvicorn's own cap is a backstop above it)."""
     import uvicorn
 
+    from .logs import log_config
+
     options = dict(host=host, port=port, ws_max_size=4 * settings.max_message_bytes + 65536, log_level="info",
-                   timeout_graceful_shutdown=5, proxy_headers=False, server_header=False)
+                   log_config=log_config(), timeout_graceful_shutdown=5, proxy_headers=False, server_header=False)
     return uvicorn.Config(app, **(options | kwargs))
 
 

@@ -71,7 +71,8 @@ def live(model_path):
 
 @pytest.fixture(scope="session")
 def live_auth(model_path):
-    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(api_key="s3cret-key", max_streams=2, idle_timeout_s=1.0)))
+    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(api_key="s3cret-key", max_streams=2, max_rest_jobs=1,
+                                                        idle_timeout_s=1.0)))
     yield srv
     srv.stop()
 

@@ -73,6 +73,42 @@ def test_rest_api_key(live_auth):
         assert c.get("/healthz").status_code == 200  # operations stay open
 
 
+def test_rest_over_capacity(live_auth):
+    """One enhancement slot: of several simultaneous long uploads some get 503, the rest succeed."""
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    import soundfile as sf
+
+    b = io.BytesIO()
+    sf.write(b, speechlike(16000 * 6, 16000, seed=8), 16000, format="WAV")
+    h = {"Content-Type": "audio/wav", "X-API-Key": "s3cret-key"}
+
+    def post(_):
+        return httpx.post(live_auth.base + "/v1/enhance", content=b.getvalue(), headers=h, timeout=60)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(post, range(4)))
+    codes = sorted(r.status_code for r in results)
+    assert 200 in codes and 503 in codes, codes
+    busy = next(r for r in results if r.status_code == 503)
+    assert busy.json()["error"]["kind"] == "over_capacity" and busy.headers["Retry-After"] == "1"
+    live_auth.wait_idle()
+
+
+def test_api_keys_are_redacted_from_logs():
+    import logging
+
+    from server.logs import RedactApiKey
+
+    record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, '%s - "WebSocket %s" [accepted]',
+                               ("127.0.0.1:5", "/v1/stream?api_key=s3cret-key&x=1"), None)
+    assert RedactApiKey().filter(record)
+    assert "s3cret" not in record.getMessage() and "api_key=***&x=1" in record.getMessage()
+    cfg = server.uvicorn_config(None, Settings.build()).log_config
+    assert all("redact_api_key" in h["filters"] for h in cfg["handlers"].values())
+
+
 def test_cors_setting(model_path):
     srv = LiveServer(model=model_path, device="cpu", cors_origins="https://app.example")
     try:
