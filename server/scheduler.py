@@ -289,13 +289,19 @@ class Worker(threading.Thread):
                     break
                 cmds = list(self._inbox)
                 self._inbox.clear()
-            for cmd in cmds:
-                self._apply(*cmd)
-            if cmds and self._batch_wait() != 0:
-                self._deliver()  # acknowledgements and errors; the step waits for more streams
-                continue
-            self._round()
-            self._deliver()
+            try:
+                for cmd in cmds:
+                    self._apply(*cmd)
+                if cmds and self._batch_wait() != 0:
+                    self._deliver()  # acknowledgements and errors; the step waits for more streams
+                    continue
+                self._round()
+                self._deliver()
+            except Exception as e:  # noqa: BLE001 - a bug: fail the streams on this worker, keep serving
+                log.exception("inference worker %d failed; closing its streams", self.index)
+                for st in list(self.streams.values()):
+                    self._fail(st.job, e, internal=True)
+                    self._drop(st)
         for st in list(self.streams.values()):
             self._drop(st)
 

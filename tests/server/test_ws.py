@@ -314,3 +314,18 @@ def test_server_keeps_serving(live, enhancer_rt):
     assert code == 1000
     np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000), rtol=0, atol=1e-5)
     live.wait_idle()
+
+
+def test_inference_failure_closes_1011_and_server_recovers(live, enhancer_rt, monkeypatch):
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("injected inference failure")
+
+    for w in live.scheduler.workers:
+        monkeypatch.setattr(w.pool, "step", broken_step)
+    expect_close(live.ws_url, [to_bytes(speechlike(4000, 16000), "pcm_s16le")], 1011, "internal", "inference failed")
+    monkeypatch.undo()
+    live.wait_idle()
+    x = speechlike(8000, 16000, seed=13)[:, None]
+    y, _, code = stream_through(live.ws_url, x, 16000, "f32le", [4000, 4000])
+    assert code == 1000
+    np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000), rtol=0, atol=1e-5)
