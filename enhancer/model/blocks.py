@@ -101,7 +101,7 @@ class EncoderBlock(nn.Module):
         Written with constant shapes (batch as -1) so the exported graph has no shape arithmetic.
         """
         g, hd, nh, w = self.g, self.head_dim, self.n_heads, self.window
-        h = x.reshape(-1, g, self.dm)  # (B, G, dm)
+        h = x.reshape(-1, g, self.dm) if g > 1 else x  # (B, G, dm), or (B, d_model) for an ordinary block
         c = None if self.competition is None else torch.softmax(self.competition(h), dim=1)  # (B, G, 1)
         qkv = self.qkv(h).reshape(-1, g, 3, self.heads_per_mech, hd)  # (B, G, 3, Hg, dh)
         q = qkv[:, :, 0].reshape(-1, nh, 1, hd)  # (B, H, 1, dh), heads mechanism-major
@@ -117,5 +117,5 @@ class EncoderBlock(nn.Module):
         s_self = (q.reshape(-1, nh, hd) * k).sum(-1, keepdim=True) * scale  # (B, H, 1)
         p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)  # (B, H, W+1)
         m = (p[:, :, None, :w] @ v_cache).reshape(-1, nh, hd) + p[:, :, w:] * v  # (B, H, dh)
-        h = self._after_attention(h, m.reshape(-1, g, self.dm), c)  # (B, G, dm)
-        return h.reshape(-1, g * self.dm), k, v, (None if c is None else c.reshape(-1, g))
+        h = self._after_attention(h, m.reshape((-1, self.dm) if g == 1 else (-1, g, self.dm)), c)  # like h
+        return h.reshape(-1, g * self.dm) if g > 1 else h, k, v, (None if c is None else c.reshape(-1, g))

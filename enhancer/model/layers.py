@@ -24,10 +24,10 @@ class GroupedLinear(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.groups == 1 and x.dim() == 2:  # one frame of an ordinary layer (B, d_in): one Gemm
+            return F.linear(x, self.weight[0].t(), self.bias[0] if self.bias is not None else None)
         if x.shape[-2:] != (self.groups, self.d_in):
             raise ValueError(f"GroupedLinear expects (..., {self.groups}, {self.d_in}), got {tuple(x.shape)}")
-        if self.groups == 1 and x.dim() == 3:  # one frame (B, 1, d_in): a single Gemm
-            return F.linear(x.reshape(-1, self.d_in), self.weight[0].t(), self.bias[0]).reshape(-1, 1, self.d_out)
         if self.groups == 1:
             y = x @ self.weight[0]  # (..., 1, d_out)
         elif x.dim() == 3:  # one frame (B, G, d_in): G matmuls of (B, d_in) @ (d_in, d_out)
