@@ -99,6 +99,13 @@ def start_server(model: Path, streams: int, workers: int, threads: int) -> tuple
 
 
 # ---------------------------------------------------------------------------------- process stats
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes of the machine have used (user + nice + system + irq), from /proc/stat."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 class ProcStats:
     """CPU time and resident memory of a process, from /proc."""
 
@@ -220,10 +227,10 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_stats(stats, stop))
     m0 = await asyncio.to_thread(scrape, url)
-    cpu0, my0, t0 = stats.cpu_seconds(), me.cpu_seconds(), time.perf_counter()
+    cpu0, my0, all0, t0 = stats.cpu_seconds(), me.cpu_seconds(), machine_busy_seconds(), time.perf_counter()
     clients = await run_clients(url, audio, rate, args)
     wall = time.perf_counter() - t0
-    cpu1, my1 = stats.cpu_seconds(), me.cpu_seconds()
+    cpu1, my1, all1 = stats.cpu_seconds(), me.cpu_seconds(), machine_busy_seconds()
     m1 = await asyncio.to_thread(scrape, url)
     d = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in m1}
     steps = d.get("tim_step_seconds_count", 0.0)
@@ -239,6 +246,7 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
         "latency_p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
         "latency_max_ms": float(lat.max()) if lat.size else None,
         "server_cpu_pct": 100 * (cpu1 - cpu0) / wall, "client_cpu_pct": 100 * (my1 - my0) / wall,
+        "other_cpu_pct": 100 * ((all1 - all0) - (cpu1 - cpu0) - (my1 - my0)) / wall,
         "server_peak_rss_mb": stats.peak_rss, "errors": errors,
         "steps": int(steps), "mean_batch": d.get("tim_batch_size_sum", 0.0) / steps if steps else None,
         "mean_step_ms": 1000 * d.get("tim_step_seconds_sum", 0.0) / steps if steps else None,
@@ -287,7 +295,7 @@ def main(argv=None) -> int:
               f"{result['late']} late of {result['messages']} messages (budget {result['budget_ms']:.0f} ms); "
               f"latency p50 {result['latency_p50_ms']:.1f} ms, p99 {result['latency_p99_ms']:.1f} ms, "
               f"max {result['latency_max_ms']:.1f} ms; server CPU {result['server_cpu_pct']:.0f} % "
-              f"(client {result['client_cpu_pct']:.0f} %), server peak RSS {result['server_peak_rss_mb']:.0f} MB; "
+              f"(client {result['client_cpu_pct']:.0f} %, other processes {result['other_cpu_pct']:.0f} %), server peak RSS {result['server_peak_rss_mb']:.0f} MB; "
               f"complete: {result['complete']}")
         if result["steps"]:
             print(f"  {result['steps']} steps, mean batch {result['mean_batch']:.1f} lanes, mean step "
