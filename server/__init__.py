@@ -50,4 +50,5 @@ def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "au
     settings = Settings.build(model=path, device=device, workers=workers, max_streams=max_streams, api_key=api_key,
                               **limits)
     app = create_app(settings)
+    app.state.scheduler.start()  # model or device problems surface here as plain errors
     uvicorn.Server(uvicorn_config(app, settings, host, port)).run()

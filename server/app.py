@@ -35,12 +35,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The app for `settings`; inference workers start with the app's lifespan."""
     settings = settings or Settings.build()
     metrics = Metrics()
+    scheduler = Scheduler(settings, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        scheduler = Scheduler(settings, metrics)
-        app.state.scheduler = scheduler
-        await run_in_threadpool(scheduler.start)  # loading sessions takes a moment: not on the loop
+        if not scheduler.workers:  # `server.run` starts it before uvicorn, to report load errors plainly
+            await run_in_threadpool(scheduler.start)  # loading sessions takes a moment: not on the loop
         log.info("model %s on %s, %d worker(s)", scheduler.enhancer.config.name, scheduler.enhancer.provider,
                  len(scheduler.workers))
         try:
@@ -49,7 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(scheduler.stop)
 
     app = FastAPI(title="tim-enhancer", version=enhancer.__version__, description=DESCRIPTION, lifespan=lifespan)
-    app.state.settings, app.state.metrics, app.state.scheduler = settings, metrics, None
+    app.state.settings, app.state.metrics, app.state.scheduler = settings, metrics, scheduler
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key"],
@@ -93,7 +93,7 @@ def _add_operations(app: FastAPI, metrics: Metrics) -> None:
              responses={503: {"description": "Not ready (model loading or a worker stopped)"}})
     async def readyz(request: Request):
         scheduler = request.app.state.scheduler
-        if scheduler is None or not scheduler.ready:
+        if not scheduler.ready:
             return JSONResponse({"ready": False}, status_code=503)
         enh = scheduler.enhancer
         cfg = enh.config

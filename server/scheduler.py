@@ -163,11 +163,13 @@ class Scheduler:
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise RuntimeError("device 'cuda' requested but onnxruntime has no CUDAExecutionProvider "
                                    "(install the [gpu] extra on a machine with CUDA)")
+        workers = []
         for i in range(s.workers):
             enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
-            self.workers.append(Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000))
-        for w in self.workers:
+            workers.append(Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000))
+        for w in workers:
             w.start()
+        self.workers = workers
 
     def stop(self) -> None:
         for w in self.workers:

@@ -155,11 +155,20 @@ def test_settings_validation(monkeypatch):
     assert Settings.build(api_key="explicit").api_key == "explicit"
 
 
-def test_run_reports_a_missing_model(tmp_path):
+def test_run_reports_model_and_device_problems_plainly(tmp_path, model_path):
     from enhancer.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="model file not found"):
         server.run(model=tmp_path / "nope.onnx")
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"not a model at all")
+    with pytest.raises(CheckpointError, match="cannot load model"):
+        server.run(model=corrupt, port=1)
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(RuntimeError, match="CUDAExecutionProvider"):
+            server.run(model=model_path, device="cuda", port=1)
 
 
 def test_serving_process_does_not_import_torch(model_path):
