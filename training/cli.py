@@ -1,0 +1,165 @@
+"""`enhancer-train`: fit, eval and plot. Also runs as `python -m training.cli` (and under torchrun).
+
+    enhancer-train fit  --preset tim --data ../enhancer-data --out runs/tim
+    torchrun --nproc_per_node=2 -m training.cli fit --preset tim --data ../enhancer-data --out runs/tim
+    enhancer-train eval --model runs/tim/checkpoints/best.pt --noisy DIR --clean DIR --out report/
+    enhancer-train plot --model MODEL --noisy FILE --clean FILE --out fig.png
+    enhancer-train plot --metrics runs/tim/metrics.csv --out curves.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from enhancer import ModelConfig
+from enhancer.errors import EnhancerError
+
+from .manifests import DataError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_dnsmos_dir() -> Path | None:
+    d = REPO_ROOT.parent / "shared" / "data" / "dnsmos"
+    return d if d.is_dir() else None
+
+
+# --------------------------------------------------------------------------- fit
+def add_fit(sub) -> None:
+    p = sub.add_parser("fit", help="train a model", description="Train on DNS-style mixtures synthesised on the fly.")
+    m = p.add_mutually_exclusive_group()
+    m.add_argument("--preset", choices=ModelConfig.presets(), help="model preset (default: tim, or the resumed run's)")
+    m.add_argument("--config", type=Path, help='model config JSON: ModelConfig fields, or {"preset": NAME, ...overrides}')
+    d = p.add_argument_group("data (one of)")
+    d.add_argument("--data", type=Path, help="corpus root with manifests/{speech,noise,music}_{train,valid}.tsv")
+    d.add_argument("--dns-root", type=Path, help="DNS-Challenge checkout or its datasets/ folder (clean/, noise/)")
+    d.add_argument("--speech", help="speech manifest(s): TRAIN[,VALID] (TSV or JSONL)")
+    d.add_argument("--noise", help="noise manifest(s): TRAIN[,VALID]")
+    d.add_argument("--music", help="music manifest(s): TRAIN[,VALID] (optional)")
+    p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints/, metrics.csv, config.json")
+    p.add_argument("--batch-size", type=int, help="examples per step and process (default 16)")
+    p.add_argument("--segment-seconds", type=float, help="training segment length (default 2.0)")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps in total")
+    p.add_argument("--max-minutes", type=float, help="stop after this many minutes of this invocation")
+    r = p.add_mutually_exclusive_group()
+    r.add_argument("--resume", nargs="?", const="auto", default="auto", metavar="CKPT",
+                   help="resume from CKPT, or by default from the latest checkpoint in --out")
+    r.add_argument("--no-resume", action="store_true", help="start fresh; refuses if --out already holds checkpoints")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--patience", type=int, default=5, help="validations without improvement before the lr halves")
+    p.add_argument("--clip-grad", type=float, default=5.0, help="max gradient norm")
+    p.add_argument("--valid-every", type=int, default=1000, help="steps between validations (0: never)")
+    p.add_argument("--valid-examples", type=int, default=256)
+    p.add_argument("--valid-seconds", type=float, default=4.0)
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--log-every", type=int, default=10, help="steps per row of metrics.csv")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--snr", type=float, nargs=2, metavar=("LO", "HI"), help="SNR range in dB (default 0 40)")
+    p.add_argument("--level", type=float, nargs=2, metavar=("LO", "HI"), help="speech level range in dBFS (default -35 -15)")
+    p.add_argument("--p-clean", type=float, help="share of noise-free examples (default 0.05)")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="autocast precision (auto: fp32 on CPU, bf16/fp16 on CUDA)")
+    p.add_argument("--threads", type=int, help="torch threads per process (default: cores / processes)")
+    p.add_argument("--norm-examples", type=int, default=256, help="examples for the feature statistics")
+    p.add_argument("--cache-dir", type=Path, help="16 kHz audio cache (default ~/.cache/tim-enhancer/audio)")
+    p.add_argument("--jobs", type=int, help="processes decoding audio into the cache (default: all cores)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_fit)
+
+
+def model_config(args) -> ModelConfig | None:
+    if args.preset:
+        return ModelConfig.preset(args.preset)
+    if args.config:
+        if not args.config.is_file():
+            raise DataError(f"--config: file not found: {args.config}")
+        try:
+            d = json.loads(args.config.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"--config {args.config}: not JSON ({e})") from None
+        if "preset" in d:
+            d = dict(d)
+            return ModelConfig.preset(d.pop("preset"), **{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        return ModelConfig.from_dict(d)
+    return None
+
+
+def training_data(args):
+    from . import layouts
+
+    given = [n for n in ("data", "dns_root", "speech") if getattr(args, n)]
+    if len(given) != 1:
+        raise DataError("give exactly one data source: --data ROOT, --dns-root DIR, or --speech and --noise manifests")
+    if args.data:
+        return layouts.corpus_layout(args.data)
+    if args.dns_root:
+        return layouts.dns_layout(args.dns_root)
+    if not args.noise:
+        raise DataError("--speech needs --noise (and optionally --music)")
+    return layouts.manifest_layout(args.speech, args.noise, args.music)
+
+
+def cmd_fit(args) -> int:
+    from .loop import FitOptions, fit
+
+    mix = {}
+    if args.segment_seconds is not None:
+        mix["segment_seconds"] = args.segment_seconds
+    if args.snr is not None:
+        mix["snr_db"] = tuple(args.snr)
+    if args.level is not None:
+        mix["level_db"] = tuple(args.level)
+    if args.p_clean is not None:
+        mix["p_clean"] = args.p_clean
+    data = training_data(args)  # checked before anything starts
+    opts = FitOptions(
+        out=args.out, config=model_config(args), batch_size=args.batch_size, mix=mix, max_steps=args.max_steps,
+        max_minutes=args.max_minutes, resume=False if args.no_resume else args.resume, lr=args.lr,
+        patience=args.patience, clip_grad=args.clip_grad, valid_every=args.valid_every,
+        valid_examples=args.valid_examples, valid_seconds=args.valid_seconds,
+        checkpoint_minutes=args.checkpoint_minutes, keep_last=args.keep_last, log_every=args.log_every,
+        seed=args.seed, precision=args.precision, threads=args.threads, norm_examples=args.norm_examples,
+        cache_dir=args.cache_dir, jobs=args.jobs, quiet=args.quiet,
+    )
+    result = fit(opts, data)
+    if not args.quiet and _is_main():
+        print(json.dumps(result))
+    return 0
+
+
+def _is_main() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+# --------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="enhancer-train", description="Train and evaluate tim-enhancer models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_fit(sub)
+    try:
+        from .evaluate import add_eval
+        from .plots import add_plot
+    except ImportError:  # pragma: no cover - while a module is missing
+        pass
+    else:
+        add_eval(sub)
+        add_plot(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (DataError, EnhancerError, ValueError, FileNotFoundError) as e:
+        print(f"enhancer-train {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Readers for the folder layouts training and evaluation accept.
+
+Training sources (speech / noise / music manifests, train and valid):
+
+* the tim-enhancer corpus built by `materialize.sh`: `ROOT/manifests/{speech,noise,music}_{train,valid}.tsv`
+* a DNS-Challenge checkout: `datasets/clean/**` (speech, speaker from `reader_NNNN` in the name or
+  else the sub-folder) and `datasets/noise/**`, split into train/valid by a hash of the speaker
+  (speech) or the path (noise)
+* explicit manifests (`--speech`, `--noise`, `--music`, each `TRAIN[,VALID]`)
+
+Evaluation pairs (noisy, clean):
+
+* DNS-Challenge synthetic test set `test_set/synthetic/no_reverb/{noisy,clean}`, matched by `fileid_N`
+* Voicebank+DEMAND `noisy_testset_wav/` and `clean_testset_wav/` (48 kHz), matched by name
+* any two folders with the same file names (or `fileid_N` suffixes); clean may be absent
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .manifests import DataError, Item, read_manifest
+
+AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif")
+CATEGORIES = ("speech", "noise", "music")
+
+
+@dataclass
+class TrainingData:
+    """Item lists of each category; music is optional (an empty list)."""
+
+    train: dict[str, list[Item]] = field(default_factory=dict)
+    valid: dict[str, list[Item]] = field(default_factory=dict)
+    description: str = ""
+
+    def check(self) -> "TrainingData":
+        for split, lists in (("train", self.train), ("valid", self.valid)):
+            for cat in ("speech", "noise"):
+                if not lists.get(cat):
+                    raise DataError(f"no {cat} files for {split} ({self.description})")
+            lists.setdefault("music", [])
+        return self
+
+
+# --------------------------------------------------------------------------- training sources
+def corpus_layout(root) -> TrainingData:
+    """`ROOT/manifests/{speech,noise,music}_{train,valid}.tsv` (music optional)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"data folder not found: {root}")
+    mdir = root / "manifests"
+    if not mdir.is_dir():
+        raise DataError(f"{root} has no manifests/ folder; expected manifests/{{speech,noise,music}}_{{train,valid}}.tsv "
+                        "(build the corpus with ../shared/data/debian/materialize.sh)")
+    data = TrainingData(description=f"corpus {root}")
+    for split in ("train", "valid"):
+        lists = data.train if split == "train" else data.valid
+        for cat in CATEGORIES:
+            m = mdir / f"{cat}_{split}.tsv"
+            if not m.exists():
+                if cat == "music":
+                    continue
+                raise DataError(f"missing manifest {m}")
+            lists[cat] = read_manifest(m, root)
+    return data.check()
+
+
+def manifest_layout(speech: str, noise: str, music: str | None = None) -> TrainingData:
+    """Each argument is `TRAIN_MANIFEST[,VALID_MANIFEST]`; without a valid manifest, about 5 % of
+    the groups (speech) or files (noise, music) are held out by hash."""
+    data = TrainingData(description=f"manifests speech={speech} noise={noise} music={music}")
+    for cat, spec in (("speech", speech), ("noise", noise), ("music", music)):
+        if not spec:
+            continue
+        parts = spec.split(",")
+        if len(parts) > 2:
+            raise DataError(f"--{cat} takes TRAIN[,VALID] manifests, got {spec!r}")
+        train = read_manifest(parts[0])
+        if len(parts) == 2:
+            valid = read_manifest(parts[1])
+        else:
+            train, valid = split_by_hash(train, by_group=(cat == "speech"))
+        data.train[cat], data.valid[cat] = train, valid
+    return data.check()
+
+
+def dns_layout(root, valid_percent: float = 5.0) -> TrainingData:
+    """DNS-Challenge `datasets/clean` and `datasets/noise` (root = the checkout or `datasets/`)."""
+    ds = dns_datasets_dir(root)
+    clean, noise = ds / "clean", ds / "noise"
+    for d in (clean, noise):
+        if not d.is_dir():
+            raise DataError(f"DNS layout: missing folder {d}")
+    speech = [Item(str(p), group=dns_speaker(p, clean)) for p in audio_files(clean)]
+    noises = [Item(str(p), group=p.stem) for p in audio_files(noise)]
+    if not speech:
+        raise DataError(f"DNS layout: no audio files under {clean}")
+    if not noises:
+        raise DataError(f"DNS layout: no audio files under {noise}")
+    data = TrainingData(description=f"DNS-Challenge {ds}")
+    data.train["speech"], data.valid["speech"] = split_by_hash(speech, by_group=True, percent=valid_percent)
+    data.train["noise"], data.valid["noise"] = split_by_hash(noises, by_group=False, percent=valid_percent)
+    return data.check()
+
+
+def dns_datasets_dir(root) -> Path:
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"DNS root not found: {root}")
+    if (root / "datasets").is_dir():
+        return root / "datasets"
+    return root
+
+
+_READER = re.compile(r"reader_(\d+)")
+
+
+def dns_speaker(path: Path, base: Path) -> str:
+    """`book_..._reader_06709_0.wav` -> "reader 06709"; otherwise the sub-folder under clean/."""
+    m = _READER.search(path.name)
+    if m:
+        return f"reader {m.group(1)}"
+    rel = path.relative_to(base)
+    return " ".join(rel.parts[:-1]) or "clean"
+
+
+def split_by_hash(items: list[Item], by_group: bool, percent: float = 5.0) -> tuple[list[Item], list[Item]]:
+    """Deterministic train/valid split by an md5 of the group (or path). Never leaves either side
+    empty when there are at least two keys."""
+    def key(it: Item) -> str:
+        return it.group if by_group else it.path
+
+    def bucket(k: str) -> float:
+        return int(hashlib.md5(k.encode()).hexdigest()[:8], 16) % 10000 / 100.0
+
+    keys = sorted({key(it) for it in items})
+    valid_keys = {k for k in keys if bucket(k) < percent}
+    if not valid_keys and len(keys) > 1:
+        valid_keys = {min(keys, key=bucket)}
+    if len(valid_keys) == len(keys) and len(keys) > 1:
+        valid_keys.discard(max(keys, key=bucket))
+    train = [it for it in items if key(it) not in valid_keys]
+    valid = [it for it in items if key(it) in valid_keys]
+    return train, valid
+
+
+def audio_files(folder) -> list[Path]:
+    folder = Path(folder)
+    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS and p.is_file())
+
+
+# --------------------------------------------------------------------------- evaluation pairs
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    noisy: Path
+    clean: Path | None
+
+
+_FILEID = re.compile(r"fileid_(\d+)")
+
+
+def paired_folders(noisy_dir, clean_dir=None) -> list[Pair]:
+    """Pairs of files with the same name in both folders, or else the same `fileid_N`.
+    Without `clean_dir` every noisy file is a pair with no reference."""
+    noisy_dir = Path(noisy_dir)
+    if not noisy_dir.is_dir():
+        raise DataError(f"noisy folder not found: {noisy_dir}")
+    noisy = audio_files(noisy_dir)
+    if not noisy:
+        raise DataError(f"no audio files in {noisy_dir}")
+    if clean_dir is None:
+        return [Pair(str(p.relative_to(noisy_dir)), p, None) for p in noisy]
+    clean_dir = Path(clean_dir)
+    if not clean_dir.is_dir():
+        raise DataError(f"clean folder not found: {clean_dir}")
+    clean = {str(p.relative_to(clean_dir)): p for p in audio_files(clean_dir)}
+    if not clean:
+        raise DataError(f"no audio files in {clean_dir}")
+    by_name = [Pair(str(p.relative_to(noisy_dir)), p, clean.get(str(p.relative_to(noisy_dir)))) for p in noisy]
+    if all(p.clean is not None for p in by_name):
+        return by_name
+    clean_ids = {}
+    for p in clean.values():
+        m = _FILEID.search(p.stem)
+        if m:
+            clean_ids[m.group(1)] = p
+    pairs, unmatched = [], []
+    for p in noisy:
+        m = _FILEID.search(p.stem)
+        ref = clean.get(str(p.relative_to(noisy_dir))) or (clean_ids.get(m.group(1)) if m else None)
+        if ref is None:
+            unmatched.append(p.name)
+        else:
+            pairs.append(Pair(str(p.relative_to(noisy_dir)), p, ref))
+    if unmatched:
+        raise DataError(f"{len(unmatched)} noisy file(s) in {noisy_dir} have no clean reference in {clean_dir} "
+                        f"(by name or fileid_N), e.g. {unmatched[0]}")
+    return pairs
+
+
+def dns_test_pairs(root) -> list[Pair]:
+    """DNS-Challenge synthetic test set without reverb: `[datasets/]test_set/synthetic/no_reverb`."""
+    root = Path(root)
+    candidates = [root / "datasets" / "test_set" / "synthetic" / "no_reverb", root / "test_set" / "synthetic" / "no_reverb",
+                  root / "synthetic" / "no_reverb", root / "no_reverb"]
+    for c in candidates:
+        if (c / "noisy").is_dir() and (c / "clean").is_dir():
+            pairs = paired_folders(c / "noisy", c / "clean")
+            return sorted(pairs, key=lambda p: _fileid_order(p.name))
+    raise DataError(f"no DNS synthetic test set under {root}: expected test_set/synthetic/no_reverb/{{noisy,clean}}")
+
+
+def _fileid_order(name: str):
+    m = _FILEID.search(name)
+    return (0, int(m.group(1)), name) if m else (1, 0, name)
+
+
+def voicebank_test_pairs(root) -> list[Pair]:
+    """Voicebank+DEMAND test set: `noisy_testset_wav/` and `clean_testset_wav/` (same names)."""
+    root = Path(root)
+    noisy, clean = root / "noisy_testset_wav", root / "clean_testset_wav"
+    for d in (noisy, clean):
+        if not d.is_dir():
+            raise DataError(f"Voicebank+DEMAND layout: missing folder {d}")
+    return paired_folders(noisy, clean)

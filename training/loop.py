@@ -1,0 +1,509 @@
+"""The training loop: `fit(options)`.
+
+Per step, each rank synthesises its share of the batch (examples `E + rank*B ... E + rank*B + B-1`
+of the seeded stream, E = examples seen so far), computes noisy and clean log-magnitudes, runs the
+model without end padding and takes the MSE on the log-magnitude (bins above a source's bandwidth
+masked), clips the gradient norm and steps Adam. Every `valid_every` steps the fixed validation set
+is scored; the learning rate halves after `patience` validations without improvement, and the best
+model is kept. Checkpoints are written every `checkpoint_minutes`, at each validation, at the end
+and on SIGTERM/SIGINT; a run resumes from its latest checkpoint by default, bit-exactly (same
+examples, same dropout masks).
+
+Under `torchrun` the model is wrapped in DistributedDataParallel (gloo on CPU, nccl on CUDA); rank 0
+writes checkpoints, metrics and progress.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from enhancer import ModelConfig, build_model, load_checkpoint
+from enhancer.checkpoint import read_checkpoint
+from enhancer.errors import CheckpointError
+from enhancer.model import count_parameters, loss_fn
+from enhancer.model import features
+
+from .audio_cache import cached_audio, default_cache_root
+from .checkpoints import CheckpointDir
+from .data import MixConfig, Synthesizer, validation_set
+from .layouts import TrainingData
+from .manifests import DataError, describe
+from .progress import Progress
+
+METRICS_COLUMNS = ("step", "examples", "hours", "split", "loss", "lr", "audio_s_per_s", "grad_norm")
+
+
+@dataclass
+class FitOptions:
+    out: Path
+    config: ModelConfig | None = None  # None: from the checkpoint when resuming, else the `tim` preset
+    batch_size: int | None = None  # per process; None: the run's own when resuming, else 16
+    mix: dict = field(default_factory=dict)  # MixConfig fields to override (segment_seconds, snr_db, ...)
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    resume: bool | str = True  # True: the latest checkpoint in OUT if any; a path; False: refuse if OUT has one
+    lr: float = 2e-4
+    lr_factor: float = 0.5
+    patience: int = 5  # validations without improvement before the learning rate halves
+    min_lr: float = 1e-6
+    clip_grad: float = 5.0
+    valid_every: int = 1000  # steps
+    valid_examples: int = 256
+    valid_seconds: float = 4.0
+    checkpoint_minutes: float = 5.0
+    keep_last: int = 3
+    log_every: int = 10  # steps per metrics row
+    seed: int = 0
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16 (fp16: CUDA only)
+    threads: int | None = None
+    norm_examples: int = 256
+    cache_dir: Path | None = None
+    jobs: int | None = None  # processes decoding audio into the cache
+    quiet: bool = False
+
+
+# --------------------------------------------------------------------------- distributed helpers
+class Dist:
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world > 1
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{self.local_rank}" if cuda else "cpu")
+        if self.enabled:
+            import datetime
+
+            import torch.distributed as dist
+
+            if cuda:
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, values: list[float]) -> list[float]:
+        if not self.enabled:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def gather(self, obj):
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- features and loss
+def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """(B,) bandwidths -> (B, 1, F) 1 for bins at or below the bandwidth, 0 above."""
+    freqs = torch.arange(cfg.n_freqs, device=bandwidth_hz.device) * (cfg.stft.sample_rate / cfg.stft.n_fft)  # (F,)
+    return (freqs[None, :] <= bandwidth_hz[:, None] + 1e-3).float()[:, None, :]  # (B, 1, F)
+
+
+def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast) -> torch.Tensor:
+    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
+    cfg = core.config
+    x = features.log_magnitude(features.stft(noisy, cfg.stft), cfg.log_eps)  # (B, T, F)
+    y = features.log_magnitude(features.stft(clean, cfg.stft), cfg.log_eps)  # (B, T, F)
+    with autocast():
+        gains, _ = net(x, pad_end=False)  # (B, T - L, F)
+    t = gains.shape[1]
+    w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
+    return loss_fn(core, x[:, :t], y[:, :t], gains.float(), w)
+
+
+def feature_stats(synth: Synthesizer, n_examples: int, cfg: ModelConfig, batch: int = 32):
+    """Per-bin mean and std of the noisy log-magnitude over `n_examples` examples."""
+    s1 = torch.zeros(cfg.n_freqs, dtype=torch.float64)
+    s2 = torch.zeros(cfg.n_freqs, dtype=torch.float64)
+    count = 0
+    for start in range(0, n_examples, batch):
+        noisy, _, _ = synth.batch(range(start, min(start + batch, n_examples)))
+        x = features.log_magnitude(features.stft(torch.from_numpy(noisy), cfg.stft), cfg.log_eps).double()  # (B, T, F)
+        s1 += x.sum(dim=(0, 1))
+        s2 += (x * x).sum(dim=(0, 1))
+        count += x.shape[0] * x.shape[1]
+    mean = s1 / count
+    std = (s2 / count - mean * mean).clamp_min(1e-6).sqrt()
+    return mean.float(), std.float()
+
+
+def choose_precision(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if requested not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be auto, fp32, bf16 or fp16, got {requested!r}")
+    if requested == "fp16" and device.type != "cuda":
+        raise ValueError("fp16 autocast needs CUDA; use bf16 or fp32 on CPU")
+    return requested
+
+
+# --------------------------------------------------------------------------- the trainer
+class Trainer:
+    def __init__(self, opts: FitOptions, data: TrainingData, dist: Dist | None = None, log=None):
+        self.opts = opts
+        self.dist = dist or Dist()
+        self.log = log or (self._log if self.dist.main and not opts.quiet else (lambda *_: None))
+        self.out = Path(opts.out)
+        self.data = data
+        self.stop_reason: str | None = None
+
+    @staticmethod
+    def _log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        o, d = self.opts, self.dist
+        ckdir = CheckpointDir(self.out, o.keep_last)
+        self.ckpt = ckdir
+        resume_path = self._resume_path(ckdir)
+        blob = read_checkpoint(resume_path) if resume_path else None
+        state = blob["extra"].get("train") if blob else None
+        if blob is not None and state is None:
+            raise CheckpointError(f"{resume_path} holds no training state (not written by enhancer-train fit)")
+
+        self.cfg = self._model_config(blob, resume_path)
+        base = state["mix"] if state is not None else MixConfig().to_dict()
+        self.mix = MixConfig.from_dict({**base, **o.mix})
+        self.batch_size = o.batch_size or (state["batch_size"] if state is not None else 16)
+        if self.batch_size < 1:
+            raise ValueError("batch size must be >= 1")
+        self.seed = state["seed"] if state else o.seed
+        threads = o.threads or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", d.world))))
+        torch.set_num_threads(threads)
+        self.precision = choose_precision(o.precision, d.device)
+
+        # data: decode once (rank 0 first, the others then read the same cache)
+        cache = Path(o.cache_dir) if o.cache_dir else default_cache_root()
+        self.cache_root = cache
+        sets = {}
+        if not d.main:
+            d.barrier()
+        for split, lists in (("train", self.data.train), ("valid", self.data.valid)):
+            for cat in ("speech", "noise", "music"):
+                items = lists.get(cat) or []
+                sets[cat, split] = cached_audio(items, f"{cat}_{split}", cache, o.jobs, self.log) if items else None
+        self.valid = validation_set(sets["speech", "valid"], sets["noise", "valid"], sets["music", "valid"], self.mix,
+                                    o.valid_examples, o.valid_seconds, cache, self.log)
+        if d.main:
+            d.barrier()
+        self.synth = Synthesizer(sets["speech", "train"], sets["noise", "train"], sets["music", "train"], self.mix, self.seed)
+        self.log(f"data: {self.data.description}")
+        for (cat, split), s in sets.items():
+            if s is not None:
+                self.log(f"  {cat:6s} {split:5s} {describe(s.items)} cached, {len(s.skipped)} skipped")
+        self.log(f"  speech sources (share of examples): {self.synth.speech.shares()}")
+
+        # model, optimiser, state
+        torch.manual_seed(self.seed)
+        if blob is not None:
+            model = load_checkpoint(resume_path).train()
+        else:
+            model = build_model(self.cfg).train()
+            mean, std = feature_stats(Synthesizer(self.synth.speech.audio, self.synth.noise.audio,
+                                                  self.synth.music.audio if self.synth.music else None, self.mix,
+                                                  self.seed, stream=1), o.norm_examples, self.cfg)
+            model.set_normalization(mean, std)
+        self.core = model.to(d.device)
+        self.net = self.core
+        if d.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.net = DDP(self.core, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                           gradient_as_bucket_view=True)
+        self.opt = torch.optim.Adam(self.core.parameters(), lr=o.lr)
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.step, self.examples, self.hours = 0, 0, 0.0
+        self.lr, self.best, self.bad = o.lr, math.inf, 0
+        if state is not None:
+            self.opt.load_state_dict(blob["extra"]["optimizer"])
+            self.step, self.examples, self.hours = state["step"], state["examples"], state["hours"]
+            self.lr, self.best, self.bad = state["lr"], state["best_valid"], state["bad_validations"]
+            rng = blob["extra"].get("rng") or []
+            if len(rng) == d.world:
+                torch.set_rng_state(rng[d.rank])
+            else:
+                self.log(f"warning: checkpoint has random states for {len(rng)} process(es), this run has {d.world}; "
+                         "dropout masks will differ from an uninterrupted run")
+            self.log(f"resumed from {resume_path} at step {self.step} ({self.examples} examples, lr {self.lr:.2e}, "
+                     f"best valid {self.best:.4f})")
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr
+        self.saved_step = self.step if blob is not None else -1
+        if d.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._write_run_files()
+            self._trim_metrics()
+        self.log(f"model {self.cfg.name}: {count_parameters(self.core) / 1e6:.2f} M parameters; "
+                 f"{d.world} process(es) x {threads} thread(s) on {d.device}; precision {self.precision}; "
+                 f"batch {self.batch_size} x {d.world} of {self.mix.segment_seconds:g} s")
+
+    def _resume_path(self, ckdir: CheckpointDir) -> Path | None:
+        r = self.opts.resume
+        if isinstance(r, (str, Path)) and r not in ("auto",):
+            p = Path(r)
+            if not p.is_file():
+                raise CheckpointError(f"--resume: checkpoint not found: {p}")
+            return p
+        latest = ckdir.latest()
+        if r is False and latest is not None:
+            raise CheckpointError(f"{self.out} already holds checkpoints ({latest.name}); resume (the default) "
+                                  "or choose another --out")
+        return latest if r is not False else None
+
+    def _model_config(self, blob, path) -> ModelConfig:
+        given = self.opts.config
+        if blob is None:
+            return given or ModelConfig.preset("tim")
+        stored = ModelConfig.from_dict(blob["config"])
+        if given is not None and given != stored:
+            diff = [k for k, v in given.to_dict().items() if stored.to_dict().get(k) != v]
+            raise CheckpointError(f"{path}: the run was started with a different model (differs in {', '.join(diff)}); "
+                                  "use the same --preset/--config or another --out")
+        return stored
+
+    def _write_run_files(self) -> None:
+        (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.opts).items() if k not in ("config", "mix")}
+        info = {"options": opts, "mix": self.mix.to_dict(), "batch_size": self.batch_size, "seed": self.seed, "world_size": self.dist.world,
+                "data": self.data.description}
+        (self.out / "train.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.csv"
+
+    def _trim_metrics(self) -> None:
+        """Drop metric rows past the resumed step (written after the last checkpoint of a crashed run)."""
+        p = self.metrics_path
+        if not p.exists():
+            with open(p, "w", newline="") as f:
+                csv.writer(f).writerow(METRICS_COLUMNS)
+            return
+        with open(p, newline="") as f:
+            rows = list(csv.DictReader(f))
+        keep = [r for r in rows if int(r["step"]) <= self.step]
+        if len(keep) != len(rows):
+            with open(p, "w", newline="") as f:
+                w = csv.DictWriter(f, METRICS_COLUMNS)
+                w.writeheader()
+                w.writerows(keep)
+
+    def _metrics_row(self, split: str, loss: float, audio_rate: float = float("nan"), grad_norm: float = float("nan")) -> None:
+        if not self.dist.main:
+            return
+        with open(self.metrics_path, "a", newline="") as f:
+            csv.writer(f).writerow([self.step, self.examples, f"{self.hours:.5f}", split, f"{loss:.6f}", f"{self.lr:.3e}",
+                                    f"{audio_rate:.2f}", f"{grad_norm:.4f}"])
+
+    # ------------------------------------------------------------------ one step
+    def autocast(self):
+        if self.precision == "fp32":
+            return nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.dist.device.type, dtype=dtype)
+
+    def train_step(self) -> tuple[float, float]:
+        o, d = self.opts, self.dist
+        first = self.examples + d.rank * self.batch_size
+        noisy, clean, bw = self.synth.batch(range(first, first + self.batch_size))
+        dev = d.device
+        noisy, clean, bw = (torch.from_numpy(a).to(dev) for a in (noisy, clean, bw))
+        self.opt.zero_grad(set_to_none=True)
+        loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.opt)
+        else:
+            loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.core.parameters(), o.clip_grad)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.step += 1
+        self.examples += self.batch_size * d.world
+        return float(loss.detach()), float(gnorm)
+
+    @torch.no_grad()
+    def validate(self, batch: int = 16) -> float:
+        """Weighted MSE over the fixed validation set (each rank scores a share)."""
+        self.core.eval()
+        v, d = self.valid, self.dist
+        cfg = self.core.config
+        err = count = 0.0
+        for start in range(d.rank * batch, len(v["noisy"]), batch * d.world):
+            sl = slice(start, start + batch)
+            noisy = torch.from_numpy(v["noisy"][sl]).to(d.device)
+            clean = torch.from_numpy(v["clean"][sl]).to(d.device)
+            bw = torch.from_numpy(v["bandwidth_hz"][sl]).to(d.device)
+            x = features.log_magnitude(features.stft(noisy, cfg.stft), cfg.log_eps)  # (b, T, F)
+            y = features.log_magnitude(features.stft(clean, cfg.stft), cfg.log_eps)
+            with self.autocast():
+                gains, _ = self.core(x, pad_end=False)  # (b, T - L, F)
+            t = gains.shape[1]
+            w = band_weight(bw, cfg).expand(-1, t, -1)
+            e = (self.core.estimate_logmag(x[:, :t], gains.float()) - y[:, :t]) ** 2
+            err += float((e * w).sum())
+            count += float(w.sum())
+        self.core.train()
+        err, count = d.sum([err, count])
+        return err / max(count, 1.0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, best: bool = False) -> None:
+        rng = self.dist.gather(torch.get_rng_state())
+        self.saved_step = self.step
+        if not self.dist.main:
+            return
+        extra = {
+            "train": {"step": self.step, "examples": self.examples, "hours": self.hours, "lr": self.lr,
+                      "best_valid": self.best, "bad_validations": self.bad, "seed": self.seed,
+                      "mix": self.mix.to_dict(), "world_size": self.dist.world,
+                      "batch_size": self.batch_size},
+            "optimizer": self.opt.state_dict(),
+            "rng": rng,
+        }
+        self.ckpt.save(self.core, self.cfg, self.step, **extra)
+        if best:
+            self.ckpt.save_best(self.core, self.cfg, **extra)
+
+    def after_validation(self, loss: float) -> bool:
+        """Update the plateau schedule; True if this is the best model so far."""
+        o = self.opts
+        if loss < self.best - 1e-5:
+            self.best, self.bad = loss, 0
+            return True
+        self.bad += 1
+        if self.bad >= o.patience and self.lr > o.min_lr:
+            self.lr = max(self.lr * o.lr_factor, o.min_lr)
+            self.bad = 0
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr
+            self.log(f"validation loss has not improved for {o.patience} validations: lr -> {self.lr:.2e}")
+        return False
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        o, d = self.opts, self.dist
+        seconds_per_step = self.batch_size * d.world * self.mix.segment_seconds
+        start = time.time()
+        last_ckpt = time.time()
+        progress = Progress(o.max_steps, self.step, enabled=d.main and not o.quiet)
+        acc_loss = acc_n = 0
+        acc_time = 0.0
+        rate = float("nan")
+        handlers = self._install_signals()
+        try:
+            while True:
+                if o.max_steps is not None and self.step >= o.max_steps:
+                    self.stop_reason = self.stop_reason or f"reached --max-steps {o.max_steps}"
+                    break
+                t0 = time.time()
+                loss, gnorm = self.train_step()
+                dt = time.time() - t0
+                self.hours += dt / 3600.0
+                over = o.max_minutes is not None and time.time() - start >= 60.0 * o.max_minutes
+                due = time.time() - last_ckpt >= 60.0 * o.checkpoint_minutes
+                loss_sum, stop, due_all, over_all = d.sum([loss, float(self.stop_reason is not None), float(due), float(over)])
+                loss = loss_sum / d.world
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"step {self.step}: loss is {loss}; lower the learning rate or check the data")
+                acc_loss, acc_n, acc_time = acc_loss + loss, acc_n + 1, acc_time + dt
+                if acc_n >= o.log_every:
+                    rate = seconds_per_step * acc_n / acc_time
+                    self._metrics_row("train", acc_loss / acc_n, rate, gnorm)
+                    acc_loss = acc_n = 0
+                    acc_time = 0.0
+                progress.update(self.step, loss=loss, rate=rate if math.isfinite(rate) else seconds_per_step / dt, lr=self.lr)
+                if o.valid_every and self.step % o.valid_every == 0:
+                    vloss = self.validate()
+                    best = self.after_validation(vloss)
+                    self._metrics_row("valid", vloss)
+                    progress.write(f"step {self.step}: valid loss {vloss:.4f}{' (best)' if best else ''}, lr {self.lr:.2e}")
+                    self.save(best=best)
+                    last_ckpt = time.time()
+                elif due_all:
+                    self.save()
+                    last_ckpt = time.time()
+                if stop and self.stop_reason is None:
+                    self.stop_reason = "signal on another process"
+                if over_all and self.stop_reason is None:
+                    self.stop_reason = f"reached --max-minutes {o.max_minutes:g}"
+                if self.stop_reason is not None:
+                    break
+        finally:
+            progress.close()
+            self._restore_signals(handlers)
+        if self.saved_step != self.step:
+            self.save()
+        self.log(f"stopped at step {self.step}: {self.stop_reason}; checkpoints in {self.ckpt.dir}")
+        return {"step": self.step, "stop_reason": self.stop_reason, "best_valid": self.best,
+                "audio_s_per_s": rate, "checkpoint": str(self.ckpt.latest())}
+
+    def _install_signals(self):
+        if not _in_main_thread():
+            return {}
+
+        def handler(signum, _frame):
+            self.stop_reason = f"received {signal.Signals(signum).name}"
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    @staticmethod
+    def _restore_signals(handlers) -> None:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def fit(opts: FitOptions, data: TrainingData) -> dict:
+    dist = Dist()
+    try:
+        trainer = Trainer(opts, data, dist)
+        trainer.setup()
+        return trainer.run()
+    finally:
+        dist.close()
