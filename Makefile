@@ -1,4 +1,5 @@
 # Two entry points: `make serve` (the service with the shipped model) and `make test`.
+# `make bench-peers`: the model next to peer denoisers, in a venv of their own (.venv-peers).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test bench install clean browser
+.PHONY: serve test bench bench-peers install clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,5 +34,34 @@ browser:
 bench: $(STAMP)
 	$(BIN)/enhancer bench
 
+# Peers (the [bench] extra) never enter .venv: they go to .venv-peers, one by one with the core
+# pins held, so a peer that cannot install (or would move numpy/onnxruntime) is reported and skipped.
+PEERS_VENV  ?= .venv-peers
+PEERS_BIN    = $(PEERS_VENV)/bin
+PEERS_STAMP  = $(PEERS_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+CORE_PINS    = numpy==2.4.6 onnxruntime==1.31.1
+BENCH_NOISY ?= ../shared/data/dev/valentini_p287/noisy
+BENCH_CLEAN ?= ../shared/data/dev/valentini_p287/clean
+BENCH_OUT   ?= runs/bench-peers
+BENCH_ARGS  ?=
+
+$(PEERS_STAMP): pyproject.toml
+	test -x $(PEERS_BIN)/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_BIN)/pip install -q --upgrade pip
+	$(PEERS_BIN)/pip install -q $(CORE_PINS)
+	$(PEERS_BIN)/pip install -q -e ".[cpu,train]"
+	@failed=""; \
+	for req in $$($(PEERS_BIN)/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["bench"]))'); do \
+		echo "installing $$req"; \
+		$(PEERS_BIN)/pip install -q "$$req" $(CORE_PINS) || failed="$$failed $$req"; \
+	done; \
+	echo "$$failed" > $(PEERS_VENV)/install-failures.txt; \
+	if [ -n "$$failed" ]; then echo "bench-peers: could not install:$$failed (reported as not installed)"; fi
+	rm -f $(PEERS_VENV)/.installed-*
+	touch $@
+
+bench-peers: $(PEERS_STAMP)
+	$(PEERS_BIN)/python -m training.peers --noisy $(BENCH_NOISY) --clean $(BENCH_CLEAN) --out $(BENCH_OUT) $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,133 @@
+"""Reports of the peer benchmark: per-file CSV, summary.json, summary.md.
+
+Means skip NaN scores (PESQ finds no utterance) and files a peer failed on; the table says when
+a peer was scored on fewer files than the others. RTF = enhancement wall time / audio duration,
+on one CPU thread (< 1 is faster than real time).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .peers_score import LABELS, METRICS, SCORE_RATE
+
+CSV_COLUMNS = ("peer", "file", "snr", "seconds", "enhance_seconds", "rtf", *METRICS, "error")
+REFERENCE = "noisy"
+
+
+def _mean(values) -> float:
+    v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(np.mean(v)) if v else math.nan
+
+
+def _means(rows: list[dict]) -> dict[str, float]:
+    return {m: _mean(r.get(m) for r in rows) for m in METRICS}
+
+
+def summarize(results: list[dict], meta: dict | None = None) -> dict:
+    """summary.json's content: per peer, its status, means, per-SNR means, timing and errors."""
+    peers = {}
+    n_files = max((len(r["rows"]) for r in results), default=0)
+    for res in results:
+        rows = res.get("rows", [])
+        ok = [r for r in rows if not r.get("error")]
+        snrs = sorted({r["snr"] for r in ok if r.get("snr") is not None})
+        audio = sum(r["seconds"] for r in ok)
+        wall = sum(r["enhance_seconds"] for r in ok)
+        peers[res["name"]] = {
+            **{k: res.get(k) for k in ("status", "reason", "package", "version", "rate", "delay_samples", "settings")},
+            "files_scored": len(ok),
+            "files_failed": len(rows) - len(ok),
+            "errors": [{"file": r["file"], "error": r["error"]} for r in rows if r.get("error")],
+            "mean": _means(ok) if ok else {},
+            "by_snr": {str(s): {"files": sum(r["snr"] == s for r in ok), **_means([r for r in ok if r["snr"] == s])}
+                       for s in snrs},
+            "load_seconds": res.get("load_seconds", math.nan),
+            "audio_seconds": audio,
+            "enhance_seconds": wall,
+            "rtf": wall / audio if audio else math.nan,
+        }
+    return {**(meta or {}), "files": n_files, "score_rate": SCORE_RATE, "metrics": list(METRICS),
+            "reference": REFERENCE, "peers": peers}
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown(summary: dict) -> str:
+    peers = summary["peers"]
+    ran = {k: v for k, v in peers.items() if v["status"] == "ok" and v["files_scored"]}
+    ref = ran.get(REFERENCE, {}).get("mean", {}).get("pesq_wb", math.nan)
+    order = sorted(ran, key=lambda k: (k != REFERENCE, -np.nan_to_num(ran[k]["mean"]["pesq_wb"], nan=-9)))
+    n = summary["files"]
+    out = ["# Side-by-side quality benchmark", ""]
+    src = f" from `{summary['noisy']}`" if summary.get("noisy") else ""
+    out += [f"{n} noisy/clean pair(s){src}, every output aligned sample for sample with its input "
+            f"(each peer's own delay removed) and scored by one scorer at {SCORE_RATE // 1000} kHz: "
+            "PESQ-WB (ITU-T P.862.2), STOI, ESTOI, SI-SDR. RTF: enhancement time / audio time, "
+            "one CPU thread.", ""]
+    out += ["| Peer | " + " | ".join(LABELS[m] for m in METRICS) + " | Δ PESQ-WB | RTF | Files |",
+            "|---|" + "---:|" * (len(METRICS) + 3)]
+    for k in order:
+        p = ran[k]
+        d = p["mean"]["pesq_wb"] - ref
+        files = f"{p['files_scored']}/{n}" if p["files_scored"] < n else str(n)
+        cells = [_fmt(p["mean"][m], 2 if m == "si_sdr" else 3) for m in METRICS]
+        out.append(f"| {k} | " + " | ".join(cells) + f" | {'' if k == REFERENCE else _fmt(d, 2)} | "
+                   f"{'' if k == REFERENCE else _fmt(p['rtf'], 3)} | {files} |")
+    buckets = sorted({int(s) for p in ran.values() for s in p["by_snr"]})
+    if buckets:
+        out += ["", "## PESQ-WB per SNR bucket", "",
+                "| Peer | " + " | ".join(f"{b} dB" for b in buckets) + " | all |",
+                "|---|" + "---:|" * (len(buckets) + 1)]
+        for k in order:
+            p = ran[k]
+            cells = [_fmt(p["by_snr"].get(str(b), {}).get("pesq_wb")) for b in buckets]
+            out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean']['pesq_wb'])} |")
+    missing = {k: v for k, v in peers.items() if v["status"] != "ok"}
+    if missing:
+        out += ["", "## Not run", ""] + [f"- {k}: {v['status']}: {v['reason']}" for k, v in missing.items()]
+    errors = [(k, e) for k, v in peers.items() for e in v["errors"]]
+    if errors:
+        out += ["", "## Files that failed", ""] + [f"- {k} on {e['file']}: {e['error']}" for k, e in errors]
+    out += ["", "## Peers", "", "| Peer | Package | Native rate | Delay removed | Settings |", "|---|---|---:|---:|---|"]
+    for k, v in peers.items():
+        pkg = f"{v['package'].split('==')[0]} {v['version']}".strip() if v["package"] else "–"
+        delay = f"{v['delay_samples']} ({1000 * v['delay_samples'] / v['rate']:.0f} ms)" if v["delay_samples"] else "0"
+        out.append(f"| {k} | {pkg} | {v['rate']} | {delay} | {v['settings']} |")
+    return "\n".join(out) + "\n"
+
+
+def _json_safe(x):
+    """NaN -> null, so that summary.json is strict JSON."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def write_reports(results: list[dict], out_dir, meta: dict | None = None) -> dict[str, Path]:
+    """per_file.csv, summary.json and summary.md in `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "per_file.csv", "json": out / "summary.json", "md": out / "summary.md"}
+    with paths["csv"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for res in results:
+            for r in res.get("rows", []):
+                secs, wall = r.get("seconds", math.nan), r.get("enhance_seconds", math.nan)
+                rtf = wall / secs if secs and not math.isnan(secs) else math.nan
+                w.writerow({**r, "snr": "" if r.get("snr") is None else r["snr"], "rtf": rtf})
+    summary = summarize(results, meta)
+    paths["json"].write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+    paths["md"].write_text(markdown(summary))
+    return paths
