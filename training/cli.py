@@ -16,7 +16,9 @@ from pathlib import Path
 from enhancer import ModelConfig
 from enhancer.errors import EnhancerError
 
+from .evaluate import add_eval
 from .manifests import DataError
+from .plots import add_plot
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,7 +128,7 @@ def cmd_fit(args) -> int:
     )
     result = fit(opts, data)
     if not args.quiet and _is_main():
-        print(json.dumps(result))
+        print(json.dumps({k: (None if isinstance(v, float) and v != v else v) for k, v in result.items()}))
     return 0
 
 
@@ -141,14 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="enhancer-train", description="Train and evaluate tim-enhancer models.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_fit(sub)
-    try:
-        from .evaluate import add_eval
-        from .plots import add_plot
-    except ImportError:  # pragma: no cover - while a module is missing
-        pass
-    else:
-        add_eval(sub)
-        add_plot(sub)
+    add_eval(sub)
+    add_plot(sub)
     return parser
 
 

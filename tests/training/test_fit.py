@@ -1,0 +1,160 @@
+"""`enhancer-train fit` on a tiny generated corpus: learning, exact resume, checkpoints, SIGTERM,
+bad input, and a 2-process torchrun run."""
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from enhancer import load_checkpoint
+from training.cli import main
+from training.loop import FitOptions, Trainer
+from training.layouts import corpus_layout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def fit_args(corpus, cfg, cache, out, steps, *extra):
+    return ["fit", "--config", str(cfg), "--data", str(corpus), "--out", str(out), "--max-steps", str(steps),
+            "--batch-size", "4", "--segment-seconds", "0.5", "--valid-every", "0", "--log-every", "1",
+            "--norm-examples", "8", "--valid-examples", "4", "--valid-seconds", "1", "--cache-dir", str(cache),
+            "--threads", "1", "--precision", "fp32", "--lr", "3e-3", "--jobs", "1", "--quiet", *extra]
+
+
+def losses(out: Path, split: str = "train") -> dict[int, str]:
+    with open(out / "metrics.csv", newline="") as f:
+        return {int(r["step"]): r["loss"] for r in csv.DictReader(f) if r["split"] == split}
+
+
+def test_fit_lowers_loss_and_resumes_exactly(corpus, tiny_config, cache_dir, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(fit_args(corpus, tiny_config, cache_dir, a, 40)) == 0
+    la = losses(a)
+    assert sorted(la) == list(range(1, 41))
+    first = sum(float(la[i]) for i in range(1, 11)) / 10
+    last = sum(float(la[i]) for i in range(31, 41)) / 10
+    assert last < 0.8 * first, (first, last)
+
+    assert main(fit_args(corpus, tiny_config, cache_dir, b, 20)) == 0
+    assert (b / "checkpoints" / "step-00000020.pt").is_file()
+    assert main(fit_args(corpus, tiny_config, cache_dir, b, 40)) == 0  # resumes by default
+    lb = losses(b)
+    assert [lb[i] for i in range(1, 41)] == [la[i] for i in range(1, 41)]  # bit-identical after the resume
+
+    model = load_checkpoint(b / "checkpoints" / "step-00000040.pt")
+    extra = model.checkpoint["extra"]
+    assert extra["train"]["step"] == 40 and extra["train"]["examples"] == 160
+    assert not torch.allclose(model.feat_mean, torch.zeros_like(model.feat_mean))  # statistics were set
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step-00000020.pt", "step-00000040.pt"]
+
+
+def test_validation_best_checkpoint_and_keep_last(corpus, tiny_config, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    assert main(fit_args(corpus, tiny_config, cache_dir, out, 12, "--valid-every", "3", "--keep-last", "2")) == 0
+    valid = losses(out, "valid")
+    assert sorted(valid) == [3, 6, 9, 12]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best.pt", "step-00000009.pt", "step-00000012.pt"]
+    best = load_checkpoint(out / "checkpoints" / "best.pt").checkpoint["extra"]["train"]
+    assert best["best_valid"] == pytest.approx(min(float(v) for v in valid.values()), rel=1e-5)
+    # the best checkpoint exports to the streaming ONNX graph
+    from enhancer.export import export_step
+
+    rep = export_step(load_checkpoint(out / "checkpoints" / "best.pt"), tmp_path / "best.onnx", check=True, n_check_steps=24)
+    assert rep["max_abs_diff"] < 1e-4
+
+
+def test_plateau_halves_learning_rate(corpus, tmp_path):
+    t = Trainer(FitOptions(out=tmp_path, patience=2), corpus_layout(corpus))
+    t.opts, t.lr, t.best, t.bad = t.opts, 2e-4, float("inf"), 0
+    t.opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=2e-4)
+    t.log = lambda *_: None
+    assert t.after_validation(1.0) is True
+    assert t.after_validation(1.0) is False and t.lr == 2e-4
+    assert t.after_validation(1.1) is False and t.lr == 1e-4 and t.opt.param_groups[0]["lr"] == 1e-4
+    assert t.after_validation(0.9) is True and t.bad == 0
+
+
+def test_resume_refuses_a_different_model(corpus, tiny_config, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(fit_args(corpus, tiny_config, cache_dir, out, 2)) == 0
+    args = fit_args(corpus, tiny_config, cache_dir, out, 4)
+    args[args.index("--config"):args.index("--config") + 2] = ["--preset", "baseline"]
+    assert main(args) == 2
+    assert "different model" in capsys.readouterr().err
+    assert main(fit_args(corpus, tiny_config, cache_dir, out, 4, "--no-resume")) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_bad_data_is_a_clear_error_before_training(corpus, tiny_config, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(fit_args(tmp_path / "no-such-folder", tiny_config, cache_dir, out, 2)) == 2
+    assert "data folder not found" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    (empty / "manifests").mkdir(parents=True)
+    for split in ("train", "valid"):
+        for cat in ("speech", "noise"):
+            src = corpus / "manifests" / f"{cat}_{split}.tsv"
+            (empty / "manifests" / src.name).write_text(src.read_text() if cat == "noise" else "path\tseconds\n")
+    assert main(fit_args(empty, tiny_config, cache_dir, out, 2)) == 2
+    assert "speech_train.tsv lists no files" in capsys.readouterr().err
+    assert not out.exists()  # nothing started
+    args = fit_args(corpus, tiny_config, cache_dir, out, 2)
+    args[args.index("--data"):args.index("--data") + 2] = []
+    assert main(args) == 2
+    assert "give exactly one data source" in capsys.readouterr().err
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_sigterm_writes_a_checkpoint(corpus, tiny_config, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    args = fit_args(corpus, tiny_config, cache_dir, out, 100000)
+    args.remove("--quiet")
+    proc = subprocess.Popen([sys.executable, "-m", "training.cli", *args], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "metrics.csv").exists() or len(losses(out)) < 3:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "received SIGTERM" in err
+    steps = sorted(losses(out))
+    saved = load_checkpoint(sorted((out / "checkpoints").glob("step-*.pt"))[-1]).checkpoint["extra"]["train"]["step"]
+    assert saved == steps[-1] >= 3
+
+
+def test_torchrun_two_processes(corpus, tiny_config, cache_dir, tmp_path):
+    out = tmp_path / "ddp"
+    args = fit_args(corpus, tiny_config, cache_dir, out, 3, "--valid-every", "3")
+    args[args.index("--threads") + 1] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "training.cli", *args]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(losses(out)) == [1, 2, 3] and list(losses(out, "valid")) == [3]
+    extra = load_checkpoint(out / "checkpoints" / "step-00000003.pt").checkpoint["extra"]
+    assert extra["train"]["world_size"] == 2 and extra["train"]["examples"] == 3 * 2 * 4
+    assert len(extra["rng"]) == 2  # both ranks' dropout generators, for an exact resume

@@ -1,0 +1,257 @@
+"""`enhancer-train eval`: enhance paired noisy/clean folders and score input and output side by side.
+
+The model is an exported `.onnx` step graph (run by the numpy/onnxruntime runtime) or a training
+checkpoint (run by the torch offline reference; with `--streaming` it is exported first). With
+`--streaming` every file goes through the streaming runtime in random chunk sizes. Everything is
+scored at 16 kHz. Writes:
+
+    OUT/summary.json   {"files": N, "noisy": {"pesq_wb", "stoi", "estoi", "si_sdr", "dnsmos_ovrl", ...}, "enhanced": {...}}
+    OUT/per_file.csv   one row per file, noisy_* and enhanced_* columns
+    OUT/summary.md     a markdown table of the means
+    OUT/enhanced/      the enhanced audio (16 kHz WAV), unless --no-audio
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .audio_cache import AudioReadError, load_audio
+from .layouts import Pair, dns_test_pairs, paired_folders, voicebank_test_pairs
+from .manifests import DataError
+
+SAMPLE_RATE = 16000
+INTRUSIVE = ("pesq_wb", "stoi", "estoi", "si_sdr")
+DNSMOS_KEYS = ("dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")
+LABELS = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "estoi": "ESTOI", "si_sdr": "SI-SDR (dB)",
+          "dnsmos_sig": "DNSMOS SIG", "dnsmos_bak": "DNSMOS BAK", "dnsmos_ovrl": "DNSMOS OVRL"}
+
+
+# --------------------------------------------------------------------------- models
+class ModelRunner:
+    """16 kHz mono in, 16 kHz mono out, for an .onnx model or a checkpoint."""
+
+    def __init__(self, path, streaming: bool = False, seed: int = 0, work_dir=None):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"model not found: {path}")
+        self.path, self.streaming = path, streaming
+        self.rng = np.random.default_rng(seed)
+        self.torch_model = None
+        self.enhancer = None
+        if path.suffix == ".onnx":
+            self._load_onnx(path)
+        else:
+            from enhancer import load_checkpoint
+
+            model = load_checkpoint(path)
+            if streaming:
+                from enhancer.export import export_step
+
+                onnx_path = Path(work_dir or tempfile.mkdtemp()) / (path.stem + ".onnx")
+                export_step(model, onnx_path, check=False)
+                self._load_onnx(onnx_path)
+            else:
+                self.torch_model = model
+
+    def _load_onnx(self, path: Path) -> None:
+        from enhancer.runtime import Enhancer
+
+        self.enhancer = Enhancer.from_pretrained(path, providers=["CPUExecutionProvider"])
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.torch_model is not None:
+            import torch
+
+            with torch.no_grad():
+                return self.torch_model.enhance(torch.from_numpy(x)[None])[0].numpy()
+        if not self.streaming:
+            return self.enhancer.enhance(x, SAMPLE_RATE)
+        s = self.enhancer.stream(SAMPLE_RATE, 1)
+        out, i = [], 0
+        while i < len(x):
+            n = int(self.rng.integers(1, 4097))  # random chunk sizes, 1 sample .. 256 ms
+            out.append(s.feed(x[i:i + n]))
+            i += n
+        out.append(s.flush())
+        return np.concatenate(out)
+
+
+# --------------------------------------------------------------------------- scoring (worker side)
+_DNSMOS = None
+
+
+def _init_worker(dnsmos_dir) -> None:
+    global _DNSMOS
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if dnsmos_dir is not None:
+        from .dnsmos import DNSMOS
+
+        _DNSMOS = DNSMOS(dnsmos_dir)
+
+
+def score_signals(clean: np.ndarray | None, noisy: np.ndarray, enhanced: np.ndarray) -> dict[str, float]:
+    """noisy_* and enhanced_* metrics (intrusive ones only with a clean reference)."""
+    from . import metrics
+
+    row = {}
+    for tag, x in (("noisy", noisy), ("enhanced", enhanced)):
+        if clean is not None:
+            for k, v in metrics.intrusive(clean, x).items():
+                row[f"{tag}_{k}"] = v
+        if _DNSMOS is not None:
+            d = _DNSMOS.score(x)
+            for k in ("sig", "bak", "ovrl"):
+                row[f"{tag}_dnsmos_{k}"] = d[k]
+    return row
+
+
+def _score_job(args):
+    name, clean, noisy, enhanced = args
+    return name, score_signals(clean, noisy, enhanced)
+
+
+# --------------------------------------------------------------------------- driver
+def read16k(path) -> np.ndarray:
+    try:
+        return load_audio(path, SAMPLE_RATE, quality="VHQ")
+    except AudioReadError as e:
+        raise DataError(f"{path}: {e}") from None
+
+
+def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=None, jobs: int = 1,
+             write_audio: bool = True, seed: int = 0, log=None) -> dict:
+    """Enhance and score every pair; write the reports to `out`; return the summary."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if not pairs:
+        raise DataError("nothing to evaluate: no file pairs")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runner = ModelRunner(model, streaming, seed, work_dir=out)
+    has_clean = all(p.clean is not None for p in pairs)
+    if not has_clean and any(p.clean is not None for p in pairs):
+        raise DataError("some files have a clean reference and some do not")
+    if not has_clean and dnsmos_dir is None:
+        raise DataError("without clean references only DNSMOS can score; give --dnsmos DIR")
+    jobs = max(1, int(jobs))
+    pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(dnsmos_dir,)) if jobs > 1 else None
+    if pool is None:
+        _init_worker(dnsmos_dir)
+    rows, futures, seconds = {}, [], {}
+    try:
+        for i, pair in enumerate(pairs):
+            noisy = read16k(pair.noisy)
+            clean = read16k(pair.clean) if pair.clean is not None else None
+            enhanced = runner(noisy)  # (n,) 16 kHz
+            seconds[pair.name] = len(noisy) / SAMPLE_RATE
+            if write_audio:
+                import soundfile as sf
+
+                dest = out / "enhanced" / pair.name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                sf.write(str(dest.with_suffix(".wav")), enhanced, SAMPLE_RATE, subtype="FLOAT")
+            job = (pair.name, clean, noisy, enhanced)
+            if pool is None:
+                name, row = _score_job(job)
+                rows[name] = row
+            else:
+                futures.append(pool.submit(_score_job, job))
+            if (i + 1) % 20 == 0 or i + 1 == len(pairs):
+                log(f"enhanced {i + 1}/{len(pairs)} files")
+        for f in futures:
+            name, row = f.result()
+            rows[name] = row
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return write_reports(out, pairs, rows, seconds, model, streaming)
+
+
+def _mean(values) -> float | None:
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    return float(np.mean(v)) if v else None
+
+
+def write_reports(out: Path, pairs: list[Pair], rows: dict, seconds: dict, model, streaming: bool) -> dict:
+    keys = [k for k in INTRUSIVE + DNSMOS_KEYS if f"noisy_{k}" in next(iter(rows.values()))]
+    names = [p.name for p in pairs]
+    summary = {"files": len(names), "model": str(model), "streaming": streaming,
+               "seconds": round(sum(seconds.values()), 3)}
+    for tag in ("noisy", "enhanced"):
+        summary[tag] = {k: _mean(rows[n][f"{tag}_{k}"] for n in names) for k in keys}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(out / "per_file.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["name", "seconds"] + [f"{t}_{k}" for k in keys for t in ("noisy", "enhanced")])
+        for n in names:
+            w.writerow([n, f"{seconds[n]:.3f}"] + [f"{rows[n][f'{t}_{k}']:.4f}" for k in keys for t in ("noisy", "enhanced")])
+    (out / "summary.md").write_text(markdown_table(summary, keys))
+    return summary
+
+
+def markdown_table(summary: dict, keys) -> str:
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+
+    lines = [f"{summary['files']} files, {summary['seconds'] / 60:.1f} min; model `{summary['model']}`"
+             f"{' (streaming, random chunks)' if summary['streaming'] else ''}", "",
+             "| metric | noisy | enhanced | change |", "|---|---:|---:|---:|"]
+    for k in keys:
+        a, b = summary["noisy"][k], summary["enhanced"][k]
+        d = None if a is None or b is None else b - a
+        lines.append(f"| {LABELS[k]} | {fmt(a)} | {fmt(b)} | {'n/a' if d is None else f'{d:+.3f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- CLI
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="score a model on paired noisy/clean folders",
+                       description="Enhance noisy files and report PESQ-WB, STOI, ESTOI, SI-SDR and DNSMOS "
+                                   "for the noisy input and the enhanced output.")
+    p.add_argument("--model", type=Path, required=True, help="exported .onnx model or training checkpoint (.pt)")
+    src = p.add_argument_group("files (one of)")
+    src.add_argument("--noisy", type=Path, help="folder of noisy files")
+    src.add_argument("--clean", type=Path, help="folder of clean references (same names or fileid_N); optional")
+    src.add_argument("--dns-root", type=Path, help="DNS-Challenge checkout: test_set/synthetic/no_reverb/{noisy,clean}")
+    src.add_argument("--vb-root", type=Path, help="Voicebank+DEMAND folder: noisy_testset_wav/, clean_testset_wav/")
+    p.add_argument("--out", type=Path, required=True, help="report folder")
+    p.add_argument("--streaming", action="store_true", help="run through the streaming runtime in random chunk sizes")
+    p.add_argument("--dnsmos", type=Path, help="DNSMOS model folder (default: ../shared/data/dnsmos if present)")
+    p.add_argument("--no-dnsmos", action="store_true", help="skip DNSMOS")
+    p.add_argument("--jobs", type=int, default=1, help="processes scoring files in parallel")
+    p.add_argument("--limit", type=int, help="score only the first N pairs")
+    p.add_argument("--no-audio", action="store_true", help="do not write the enhanced audio")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random chunk sizes of --streaming")
+    p.set_defaults(func=cmd_eval)
+
+
+def eval_pairs(args) -> list[Pair]:
+    given = [n for n in ("noisy", "dns_root", "vb_root") if getattr(args, n)]
+    if len(given) != 1:
+        raise DataError("give exactly one of --noisy DIR [--clean DIR], --dns-root DIR, --vb-root DIR")
+    if args.noisy:
+        return paired_folders(args.noisy, args.clean)
+    if args.clean:
+        raise DataError("--clean goes with --noisy")
+    return dns_test_pairs(args.dns_root) if args.dns_root else voicebank_test_pairs(args.vb_root)
+
+
+def cmd_eval(args) -> int:
+    from .cli import default_dnsmos_dir
+
+    pairs = eval_pairs(args)
+    if args.limit:
+        pairs = pairs[: args.limit]
+    dnsmos_dir = None if args.no_dnsmos else (args.dnsmos or default_dnsmos_dir())
+    if args.dnsmos and not args.dnsmos.is_dir():
+        raise DataError(f"--dnsmos: folder not found: {args.dnsmos}")
+    summary = evaluate(args.model, pairs, args.out, args.streaming, dnsmos_dir, args.jobs, not args.no_audio, args.seed)
+    print((Path(args.out) / "summary.md").read_text(), end="")
+    return 0 if summary["files"] else 1

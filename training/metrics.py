@@ -1,0 +1,62 @@
+"""Intrusive quality metrics at 16 kHz: wideband PESQ (ITU-T P.862.2), STOI, ESTOI, SI-SDR.
+
+All take the clean reference first and the signal to score second, float (n,) arrays of equal
+length at 16 kHz (`align` crops two signals to the shorter).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+SAMPLE_RATE = 16000
+SI_SDR_CEILING_DB = 200.0  # identical signals score this instead of +inf
+
+
+def align(ref: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = min(len(ref), len(x))
+    return np.asarray(ref[:n], np.float64), np.asarray(x[:n], np.float64)
+
+
+def si_sdr(ref: np.ndarray, est: np.ndarray) -> float:
+    """Scale-invariant SDR in dB (Le Roux et al., 2019), both signals made zero-mean."""
+    ref, est = align(ref, est)
+    ref = ref - ref.mean()
+    est = est - est.mean()
+    energy = float(ref @ ref)
+    if energy <= 0.0:
+        return float("nan")
+    target = (float(est @ ref) / energy) * ref
+    noise = est - target
+    t, n = float(target @ target), float(noise @ noise)
+    if n <= t * 10.0 ** (-SI_SDR_CEILING_DB / 10.0):
+        return SI_SDR_CEILING_DB
+    return 10.0 * math.log10(t / n) if t > 0 else -SI_SDR_CEILING_DB
+
+
+def pesq_wb(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE) -> float:
+    """Wideband PESQ (MOS-LQO, 1.04..4.64) via the `pesq` package; NaN if no speech is found."""
+    from pesq import NoUtterancesError, pesq
+
+    ref, deg = align(ref, deg)
+    try:
+        return float(pesq(sample_rate, ref, deg, "wb"))
+    except NoUtterancesError:
+        return float("nan")
+
+
+def stoi(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE, extended: bool = False) -> float:
+    from pystoi import stoi as _stoi
+
+    ref, deg = align(ref, deg)
+    return float(_stoi(ref, deg, sample_rate, extended=extended))
+
+
+def intrusive(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE) -> dict[str, float]:
+    """All intrusive metrics of one signal against its reference."""
+    return {
+        "pesq_wb": pesq_wb(ref, deg, sample_rate),
+        "stoi": stoi(ref, deg, sample_rate),
+        "estoi": stoi(ref, deg, sample_rate, extended=True),
+        "si_sdr": si_sdr(ref, deg),
+    }
