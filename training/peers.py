@@ -14,6 +14,7 @@ Peers that are not installed, fail to load or fail on a file are reported, never
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,8 @@ from pathlib import Path
 from .manifests import DataError
 from .peers_adapters import PEERS, TimEnhancer, make_peer, single_thread
 from .peers_align import measure_delay
-from .peers_pairs import SNR_PATTERN, audio_files, find_pairs
+from .layouts import audio_files
+from .peers_pairs import SNR_PATTERN, find_pairs
 from .peers_report import write_reports
 from .peers_run import PeerSpec, read_mono, run_benchmark
 
@@ -78,7 +80,7 @@ def cmd_list(args) -> int:
 def cmd_measure_delays(args) -> int:
     if not args.clean:
         raise DataError("--measure-delays needs --clean DIR (clean speech)")
-    files = audio_files(args.clean)[:3]
+    files = audio_files(args.clean)[:3] if args.clean.is_dir() else []
     if not files:
         raise DataError(f"no audio files in {args.clean}")
     single_thread()
@@ -116,10 +118,11 @@ def cmd_bench_peers(args) -> int:
     specs = specs_for(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     log(f"bench-peers: {len(pairs)} pair(s), peers: {', '.join(s.name for s in specs)}")
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     save = args.out / "audio" if args.save_audio else None
     results = run_benchmark(pairs, specs, jobs=args.jobs, save_dir=save, log=log)
-    meta = {"noisy": str(args.noisy), "clean": str(args.clean), "wall_seconds": time.perf_counter() - t0}
+    meta = {"noisy": str(args.noisy), "clean": str(args.clean), "wall_seconds": time.perf_counter() - t0,
+            "cpus": os.cpu_count(), "load_average": [load0, os.getloadavg()[0]]}
     paths = write_reports(results, args.out, meta)
     print(paths["md"].read_text())
     log(f"bench-peers: wrote {', '.join(str(p) for p in paths.values())}")

@@ -1,9 +1,10 @@
 """Noisy/clean file pairs of the peer benchmark, with the SNR of each when known.
 
-Files pair up by their path relative to the two folders (or, failing that, by file stem). The
-SNR comes from a manifest when one is given (CSV, TSV or JSONL with an `snr` column and a file
-column: `file`, `name`, `noisy` or `path`, matched by base name), else from the file name
-(`snr05_xxx.wav` -> 5 dB with the default pattern `snr(-?\\d+)`).
+Files pair up as in `enhancer-train eval` (`layouts.paired_folders`: same relative path, else the
+same `fileid_N`). The SNR comes from a manifest when one is given (CSV, TSV or JSONL with an
+`snr` or `snr_db` column and a file column: `file`, `name`, `noisy` or `path`, matched by base
+name; the dev set's `manifest.tsv` is one), else from the file name (`snr05_xxx.wav` -> 5 dB with
+the default pattern `snr(-?\\d+)`).
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .layouts import paired_folders
 from .manifests import DataError
 
-AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".opus", ".mp3", ".aiff", ".aif"}
 SNR_PATTERN = r"snr(-?\d+)"
 FILE_COLUMNS = ("file", "name", "noisy", "path")
+SNR_COLUMNS = ("snr", "snr_db")
 
 
 @dataclass(frozen=True)
@@ -52,40 +54,24 @@ def read_snr_manifest(path) -> dict[str, int]:
     out = {}
     for i, row in enumerate(rows):
         key = next((c for c in FILE_COLUMNS if row.get(c)), None)
-        if key is None or row.get("snr") in (None, ""):
-            raise DataError(f"{p}: row {i + 1} needs an 'snr' and one of {', '.join(FILE_COLUMNS)}")
-        out[Path(str(row[key])).name] = int(round(float(row["snr"])))
+        snr = next((row[c] for c in SNR_COLUMNS if row.get(c) not in (None, "")), None)
+        if key is None or snr is None:
+            raise DataError(f"{p}: row {i + 1} needs an 'snr' (or 'snr_db') and one of {', '.join(FILE_COLUMNS)}")
+        try:
+            out[Path(str(row[key])).name] = int(round(float(snr)))
+        except ValueError:
+            raise DataError(f"{p}: row {i + 1}: SNR {snr!r} is not a number") from None
     return out
 
 
-def audio_files(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in AUDIO_SUFFIXES)
-
-
 def find_pairs(noisy_dir, clean_dir, snr_pattern: str = SNR_PATTERN, manifest=None) -> list[Pair]:
-    """Every noisy file with its clean reference. Raises DataError when none pair up or any is unmatched."""
-    nd, cd = Path(noisy_dir), Path(clean_dir)
-    for d, what in ((nd, "--noisy"), (cd, "--clean")):
-        if not d.is_dir():
-            raise DataError(f"{what}: not a folder: {d}")
+    """Every noisy file with its clean reference (paired as `enhancer-train eval` pairs them)."""
+    if clean_dir is None:
+        raise DataError("--clean is required: every peer is scored against the clean reference")
     snrs = read_snr_manifest(manifest) if manifest else {}
-    clean = audio_files(cd)
-    by_rel = {f.relative_to(cd).as_posix(): f for f in clean}
-    by_stem = {}
-    for f in clean:
-        by_stem.setdefault(f.stem, []).append(f)
-    pairs, unmatched = [], []
-    for f in audio_files(nd):
-        rel = f.relative_to(nd).as_posix()
-        c = by_rel.get(rel) or (by_stem[f.stem][0] if len(by_stem.get(f.stem, [])) == 1 else None)
-        if c is None:
-            unmatched.append(rel)
-            continue
-        snr = snrs[f.name] if f.name in snrs else snr_of(rel, snr_pattern)
-        pairs.append(Pair(rel, str(f), str(c), snr))
-    if unmatched:
-        shown = ", ".join(unmatched[:5]) + (" ..." if len(unmatched) > 5 else "")
-        raise DataError(f"{len(unmatched)} noisy file(s) have no clean reference in {cd}: {shown}")
-    if not pairs:
-        raise DataError(f"no audio files in {nd}")
+    pairs = []
+    for p in paired_folders(noisy_dir, clean_dir):
+        name = Path(p.noisy).name
+        snr = snrs[name] if name in snrs else snr_of(p.name, snr_pattern)
+        pairs.append(Pair(p.name, str(p.noisy), str(p.clean), snr))
     return pairs

@@ -71,6 +71,10 @@ def markdown(summary: dict) -> str:
             f"(each peer's own delay removed) and scored by one scorer at {SCORE_RATE // 1000} kHz: "
             "PESQ-WB (ITU-T P.862.2), STOI, ESTOI, SI-SDR. RTF: enhancement time / audio time, "
             "one CPU thread.", ""]
+    load, cpus = summary.get("load_average"), summary.get("cpus")
+    if load and cpus and max(load) > 0.5 * cpus:
+        out += [f"The machine was busy (load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, "
+                f"{cpus} CPUs): real-time factors are pessimistic.", ""]
     out += ["| Peer | " + " | ".join(LABELS[m] for m in METRICS) + " | Δ PESQ-WB | RTF | Files |",
             "|---|" + "---:|" * (len(METRICS) + 3)]
     for k in order:

@@ -1,0 +1,234 @@
+"""Peer benchmark: availability, delay alignment, runner, reports, SNR buckets (no peer installed)."""
+import argparse
+import csv
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.conftest import speechlike
+from training.manifests import DataError
+from training.peers import add_bench_peers, cmd_bench_peers, peer_names
+from training.peers_adapters import PEERS, Peer, make_peer
+from training.peers_align import estimate_delay, fit, measure_delay, resample
+from training.peers_pairs import find_pairs, read_snr_manifest, snr_of
+from training.peers_report import markdown, summarize, write_reports
+from training.peers_run import PeerSpec, describe, run_benchmark
+from training.peers_score import score
+
+
+class Delayed(Peer):
+    """A fake peer: identity at 48 kHz that delays its output by `delay` samples."""
+
+    name = "delayed"
+    rate = 48000
+    delay = 123
+
+    def process(self, x):
+        return np.concatenate([np.zeros(self.delay, np.float32), x])
+
+
+class Absent(Peer):
+    name = "absent"
+    package = "no-such-peer==1.0"
+    module = "no_such_peer_module_xyz"
+
+
+# ---------------------------------------------------------------------- availability
+def test_missing_peer_reports_not_installed():
+    peer = Absent()
+    assert peer.missing() == "not installed (pip install no-such-peer==1.0)"
+    with pytest.raises(RuntimeError, match="not installed"):
+        peer.enhance(np.zeros(160, np.float32), 16000)
+
+
+def test_every_peer_answers_available_or_why_not():
+    for name in PEERS:
+        reason = make_peer(name, model="/nonexistent/tim.onnx").missing()
+        assert reason is None or isinstance(reason, str) and reason
+    assert "no model at" in make_peer("tim-enhancer", model="/nonexistent/tim.onnx").missing()
+
+
+def test_uninstalled_peer_is_unavailable_not_fatal(tmp_path, monkeypatch):
+    monkeypatch.setitem(PEERS, "absent", Absent)
+    info = describe(PeerSpec("absent"))
+    assert info["status"] == "unavailable" and info["reason"].startswith("not installed")
+    pairs = _pairs(tmp_path)
+    [res] = run_benchmark(pairs, [PeerSpec("absent")], isolate=False)
+    assert res["status"] == "unavailable" and res["rows"] == []
+
+
+# ---------------------------------------------------------------------- alignment
+def test_estimate_delay_recovers_a_known_shift():
+    x = speechlike(8000)
+    for d in (0, 7, 384):
+        y = np.concatenate([np.zeros(d, np.float32), 0.8 * x])[: len(x)]
+        assert estimate_delay(x, y, 500) == d
+    assert estimate_delay(np.concatenate([np.zeros(5, np.float32), x]), x, 50) == -5
+
+
+def test_measure_delay_and_enhance_remove_a_peer_delay():
+    peer = Delayed()
+    x = speechlike(16000)
+    assert measure_delay(peer, x, 16000) == 123
+    y = peer.enhance(x, 16000)
+    assert y.shape == x.shape and y.dtype == np.float32
+    assert estimate_delay(x, y, 200) == 0
+    # soxr round trip 16 -> 48 -> 16 kHz: close to the input except for the band edge
+    assert np.corrcoef(x[100:-100], y[100:-100])[0, 1] > 0.99
+
+
+def test_fit_and_resample_lengths():
+    y = np.arange(10, dtype=np.float32)
+    np.testing.assert_array_equal(fit(y, 3, 4), [3, 4, 5, 6])
+    np.testing.assert_array_equal(fit(y, 8, 4), [8, 9, 0, 0])
+    assert len(resample(np.zeros(16001, np.float32), 16000, 48000)) == 48003
+    assert len(resample(np.zeros(100, np.float32), 16000, 48000, length=299)) == 299
+
+
+# ---------------------------------------------------------------------- SNR buckets
+def test_snr_from_names_and_manifest(tmp_path):
+    assert snr_of("snr05_xxx.wav") == 5
+    assert snr_of("sub/SNR20_a.flac") == 20
+    assert snr_of("mix_snr-5_b.wav") == -5
+    assert snr_of("p287_001.wav") is None
+    assert snr_of("db10_x.wav", r"db(\d+)") == 10
+    m = tmp_path / "m.tsv"
+    m.write_text("file\tsnr\nsub/a.wav\t7.6\nb.wav\t0\n")
+    assert read_snr_manifest(m) == {"a.wav": 8, "b.wav": 0}
+    j = tmp_path / "m.jsonl"
+    j.write_text('{"noisy": "a.wav", "snr": 15}\n')
+    assert read_snr_manifest(j) == {"a.wav": 15}
+    bad = tmp_path / "bad.csv"
+    bad.write_text("file,level\na.wav,3\n")
+    with pytest.raises(DataError, match="snr"):
+        read_snr_manifest(bad)
+
+
+# ---------------------------------------------------------------------- runner and reports
+def _pairs(tmp_path, names=("snr05_a.wav", "snr10_b.wav"), seconds=2.0):
+    """Noisy == clean pairs of speech-like audio."""
+    nd, cd = tmp_path / "noisy", tmp_path / "clean"
+    nd.mkdir(exist_ok=True)
+    cd.mkdir(exist_ok=True)
+    for i, n in enumerate(names):
+        x = speechlike(int(seconds * 16000), seed=i)
+        sf.write(nd / n, x, 16000, subtype="FLOAT")
+        sf.write(cd / n, x, 16000, subtype="FLOAT")
+    return find_pairs(nd, cd)
+
+
+def test_find_pairs_matches_and_complains(tmp_path):
+    pairs = _pairs(tmp_path)
+    assert [(p.id, p.snr) for p in pairs] == [("snr05_a.wav", 5), ("snr10_b.wav", 10)]
+    sf.write(tmp_path / "noisy" / "extra.wav", np.zeros(160, np.float32), 16000)
+    with pytest.raises(DataError, match="no clean reference"):
+        find_pairs(tmp_path / "noisy", tmp_path / "clean")
+    with pytest.raises(DataError, match="not found"):
+        find_pairs(tmp_path / "nope", tmp_path / "clean")
+
+
+def test_noisy_identity_scores_pesq_max_in_a_worker_process(tmp_path):
+    pairs = _pairs(tmp_path)
+    [res] = run_benchmark(pairs, [PeerSpec("noisy")], isolate=True)
+    assert res["status"] == "ok" and len(res["rows"]) == 2
+    for row in res["rows"]:
+        assert row["error"] == ""
+        assert row["pesq_wb"] == pytest.approx(4.64, abs=0.01)
+        assert row["stoi"] == pytest.approx(1.0, abs=1e-3) and row["estoi"] == pytest.approx(1.0, abs=1e-3)
+        assert row["si_sdr"] > 60
+
+
+class Flaky(Peer):
+    """Fails on the second file it sees (by length), passes the first through."""
+
+    name = "flaky"
+
+    def process(self, x):
+        if len(x) > 40000:
+            raise RuntimeError("boom")
+        return x
+
+
+def test_a_peer_failing_on_a_file_is_reported_and_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(PEERS, "flaky", Flaky)
+    nd, cd = tmp_path / "noisy", tmp_path / "clean"
+    pairs = _pairs(tmp_path, names=("snr00_short.wav",), seconds=2.0)
+    x = speechlike(48000, seed=5)
+    sf.write(nd / "snr20_long.wav", x, 16000, subtype="FLOAT")
+    sf.write(cd / "snr20_long.wav", x, 16000, subtype="FLOAT")
+    pairs = find_pairs(nd, cd)
+    results = run_benchmark(pairs, [PeerSpec("noisy"), PeerSpec("flaky")], isolate=False)
+    flaky = results[1]
+    assert [bool(r["error"]) for r in flaky["rows"]] == [False, True]
+    assert "boom" in flaky["rows"][1]["error"]
+    s = summarize(results)
+    assert s["peers"]["flaky"]["files_scored"] == 1 and s["peers"]["flaky"]["files_failed"] == 1
+    md = markdown(s)
+    assert "| flaky |" in md and "1/2" in md and "flaky on snr20_long.wav: RuntimeError: boom" in md
+
+
+def test_reports_have_the_right_shape(tmp_path, monkeypatch):
+    monkeypatch.setitem(PEERS, "absent", Absent)
+    pairs = _pairs(tmp_path)
+    results = run_benchmark(pairs, [PeerSpec("noisy"), PeerSpec("absent")], isolate=False)
+    paths = write_reports(results, tmp_path / "out", {"noisy": "n", "clean": "c"})
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert len(rows) == 2 and {r["snr"] for r in rows} == {"5", "10"}
+    assert set(rows[0]) >= {"peer", "file", "snr", "pesq_wb", "stoi", "estoi", "si_sdr", "rtf", "error"}
+    summary = json.loads(paths["json"].read_text())
+    noisy = summary["peers"]["noisy"]
+    assert summary["files"] == 2 and noisy["status"] == "ok"
+    assert set(noisy["mean"]) == {"pesq_wb", "stoi", "estoi", "si_sdr"}
+    assert noisy["mean"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)
+    assert set(noisy["by_snr"]) == {"5", "10"} and noisy["by_snr"]["5"]["files"] == 1
+    assert noisy["rtf"] >= 0 and noisy["audio_seconds"] == pytest.approx(4.0)
+    assert summary["peers"]["absent"]["status"] == "unavailable"
+    md = paths["md"].read_text()
+    assert "| Peer | PESQ-WB | STOI | ESTOI | SI-SDR (dB) |" in md
+    assert "## PESQ-WB per SNR bucket" in md and "| 5 dB | 10 dB | all |" in md
+    assert "- absent: unavailable: not installed" in md
+
+
+def test_score_rejects_unaligned_and_resamples():
+    x = speechlike(32000)
+    with pytest.raises(ValueError, match="aligned"):
+        score(x[:-1], x, 16000)
+    s = score(resample(x, 16000, 48000), resample(x, 16000, 48000), 48000)
+    assert s["pesq_wb"] == pytest.approx(4.64, abs=0.01)
+
+
+# ---------------------------------------------------------------------- command line
+def _args(argv):
+    parser = argparse.ArgumentParser()
+    add_bench_peers(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench-peers", *argv])
+
+
+def test_command_writes_reports_and_lists(tmp_path, capsys):
+    _pairs(tmp_path)
+    out = tmp_path / "report"
+    args = _args(["--noisy", str(tmp_path / "noisy"), "--clean", str(tmp_path / "clean"), "--out", str(out),
+                  "--peers", "noisy,tim-enhancer", "--model", str(tmp_path / "missing.onnx")])
+    assert cmd_bench_peers(args) == 0
+    assert {p.name for p in out.iterdir()} == {"per_file.csv", "summary.json", "summary.md"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["peers"]["tim-enhancer"]["status"] == "unavailable"
+    assert "| noisy |" in capsys.readouterr().out
+    assert cmd_bench_peers(_args(["--list"])) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in PEERS)
+    with pytest.raises(DataError, match="unknown"):
+        peer_names("noisy,nope")
+    assert peer_names("rnnoise,noisy") == ["noisy", "rnnoise"]
+    with pytest.raises(DataError, match="--noisy"):
+        cmd_bench_peers(_args([]))
+
+
+def test_tim_enhancer_row_runs_the_model(tmp_path, model_path):
+    pairs = _pairs(tmp_path, names=("snr05_a.wav",), seconds=1.0)
+    [res] = run_benchmark(pairs, [PeerSpec("tim-enhancer", str(model_path), "tim-test")], isolate=False)
+    assert res["name"] == "tim-test" and res["status"] == "ok"
+    [row] = res["rows"]
+    assert row["error"] == "" and np.isfinite(row["pesq_wb"]) and row["seconds"] == pytest.approx(1.0)
