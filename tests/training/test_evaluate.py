@@ -1,0 +1,159 @@
+"""`enhancer-train eval`: metrics against direct pesq/pystoi calls, layouts, streaming, checkpoints, DNSMOS."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from pesq import pesq
+from pystoi import stoi
+
+from enhancer import save_checkpoint
+from tests.conftest import speechlike
+from training.cli import default_dnsmos_dir, main
+from training.metrics import si_sdr
+
+DNSMOS_DIR = default_dnsmos_dir()
+needs_dnsmos = pytest.mark.skipif(DNSMOS_DIR is None, reason="../shared/data/dnsmos not present")
+
+
+def make_pairs(root: Path, n: int = 2, seconds: float = 2.5, noise: float = 0.0, sr: int = 16000):
+    for folder in ("noisy", "clean"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        x = speechlike(int(sr * seconds), sr, seed=i + 1)
+        y = x + noise * np.random.default_rng(i).standard_normal(len(x)).astype(np.float32)
+        sf.write(str(root / "clean" / f"f{i}.wav"), x, sr)
+        sf.write(str(root / "noisy" / f"f{i}.wav"), y, sr)
+    return root / "noisy", root / "clean"
+
+
+def read_rows(out: Path) -> dict[str, dict]:
+    with open(out / "per_file.csv", newline="") as f:
+        return {r["name"]: r for r in csv.DictReader(f)}
+
+
+def test_identical_folders_score_perfectly_and_match_direct_calls(model_path, tmp_path):
+    noisy, clean = make_pairs(tmp_path / "same", noise=0.0)
+    out = tmp_path / "report"
+    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
+                 "--no-dnsmos", "--jobs", "2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["files"] == 2
+    assert summary["noisy"]["pesq_wb"] == pytest.approx(4.644, abs=0.01)
+    assert summary["noisy"]["si_sdr"] > 100 and summary["noisy"]["stoi"] > 0.999
+    assert set(summary["enhanced"]) == {"pesq_wb", "stoi", "estoi", "si_sdr"}
+    rows = read_rows(out)
+    for name, row in rows.items():
+        ref, _ = sf.read(str(clean / name), dtype="float32")
+        enh, sr = sf.read(str(out / "enhanced" / name), dtype="float32")
+        assert sr == 16000 and len(enh) == len(ref)
+        assert float(row["enhanced_pesq_wb"]) == pytest.approx(pesq(16000, ref, enh, "wb"), abs=1e-3)
+        assert float(row["enhanced_stoi"]) == pytest.approx(stoi(ref, enh, 16000), abs=1e-3)
+        assert float(row["enhanced_estoi"]) == pytest.approx(stoi(ref, enh, 16000, extended=True), abs=1e-3)
+        assert float(row["enhanced_si_sdr"]) == pytest.approx(si_sdr(ref, enh), abs=1e-3)
+    md = (out / "summary.md").read_text()
+    assert "| PESQ-WB | 4.64" in md and "| metric | noisy | enhanced | change |" in md
+
+
+def test_noisy_metrics_match_direct_calls(model_path, tmp_path):
+    noisy, clean = make_pairs(tmp_path / "n", n=1, noise=0.02)
+    out = tmp_path / "report"
+    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
+                 "--no-dnsmos"]) == 0
+    row = read_rows(out)["f0.wav"]
+    ref, _ = sf.read(str(clean / "f0.wav"), dtype="float32")
+    deg, _ = sf.read(str(noisy / "f0.wav"), dtype="float32")
+    assert float(row["noisy_pesq_wb"]) == pytest.approx(pesq(16000, ref, deg, "wb"), abs=1e-3)
+    assert float(row["noisy_stoi"]) == pytest.approx(stoi(ref, deg, 16000), abs=1e-3)
+    # SI-SDR of white noise at a known level: 10 log10(P_ref / P_noise)
+    expected = 10 * np.log10(np.var(ref) / np.var(deg - ref))
+    assert float(row["noisy_si_sdr"]) == pytest.approx(expected, abs=0.1)
+    assert float(row["noisy_pesq_wb"]) < 4.0
+
+
+def test_si_sdr_properties():
+    x = speechlike(16000, seed=1)
+    assert si_sdr(x, 0.5 * x) == pytest.approx(200.0)  # scale-invariant, identical -> ceiling
+    n = np.random.default_rng(0).standard_normal(len(x)).astype(np.float32)
+    n *= np.sqrt(np.var(x) / np.var(n)) / 10 ** (10 / 20)
+    assert si_sdr(x, x + n) == pytest.approx(10.0, abs=0.2)
+
+
+def test_streaming_and_checkpoint_agree_with_offline_onnx(torch_model, model_path, tmp_path):
+    noisy, clean = make_pairs(tmp_path / "d", n=1, seconds=1.5, noise=0.05)
+    ckpt = save_checkpoint(torch_model, torch_model.config, tmp_path / "model.pt")
+    outs = {}
+    for tag, model, extra in (("onnx", model_path, []), ("stream", model_path, ["--streaming"]),
+                              ("ckpt", ckpt, []), ("ckpt-stream", ckpt, ["--streaming"])):
+        outs[tag] = tmp_path / tag
+        assert main(["eval", "--model", str(model), "--noisy", str(noisy), "--clean", str(clean), "--out", str(outs[tag]),
+                     "--no-dnsmos", *extra]) == 0
+    ref, _ = sf.read(str(outs["onnx"] / "enhanced" / "f0.wav"), dtype="float32")
+    noisy_x, _ = sf.read(str(noisy / "f0.wav"), dtype="float32")
+    assert np.abs(ref - noisy_x).max() > 1e-3  # the model really changed the audio
+    for tag in ("stream", "ckpt", "ckpt-stream"):
+        y, _ = sf.read(str(outs[tag] / "enhanced" / "f0.wav"), dtype="float32")
+        np.testing.assert_allclose(y, ref, atol=2e-4, err_msg=tag)
+    assert json.loads((outs["stream"] / "summary.json").read_text())["streaming"] is True
+
+
+def test_dns_and_voicebank_layouts(model_path, tmp_path):
+    test = tmp_path / "dns" / "datasets" / "test_set" / "synthetic" / "no_reverb"
+    (test / "clean").mkdir(parents=True)
+    (test / "noisy").mkdir(parents=True)
+    for fid in (0, 1):
+        x = speechlike(16000, seed=fid + 5)
+        sf.write(str(test / "clean" / f"clean_fileid_{fid}.wav"), x, 16000)
+        sf.write(str(test / "noisy" / f"clnsp{fid}_snr5_tl-21_fileid_{fid}.wav"), x + 0.01, 16000)
+    out = tmp_path / "r1"
+    assert main(["eval", "--model", str(model_path), "--dns-root", str(tmp_path / "dns"), "--out", str(out), "--no-dnsmos"]) == 0
+    assert set(read_rows(out)) == {"clnsp0_snr5_tl-21_fileid_0.wav", "clnsp1_snr5_tl-21_fileid_1.wav"}
+
+    vb = tmp_path / "vb"
+    for folder in ("clean_testset_wav", "noisy_testset_wav"):
+        (vb / folder).mkdir(parents=True)
+        sf.write(str(vb / folder / "p232_001.wav"), speechlike(48000, 48000, seed=9), 48000)
+    out = tmp_path / "r2"
+    assert main(["eval", "--model", str(model_path), "--vb-root", str(vb), "--out", str(out), "--no-dnsmos"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["files"] == 1 and s["seconds"] == pytest.approx(1.0, abs=1e-3)  # scored at 16 kHz
+    assert s["noisy"]["pesq_wb"] == pytest.approx(4.644, abs=0.01)
+
+
+def test_eval_input_errors(model_path, tmp_path, capsys):
+    assert main(["eval", "--model", str(model_path), "--noisy", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "noisy folder not found" in capsys.readouterr().err
+    noisy, _ = make_pairs(tmp_path / "x", n=1)
+    assert main(["eval", "--model", str(tmp_path / "nope.onnx"), "--noisy", str(noisy), "--out", str(tmp_path / "o")]) == 2
+    assert "model not found" in capsys.readouterr().err
+    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--out", str(tmp_path / "o"), "--no-dnsmos"]) == 2
+    assert "only DNSMOS can score" in capsys.readouterr().err
+
+
+@needs_dnsmos
+def test_dnsmos_prefers_clean_speech():
+    from training.dnsmos import DNSMOS
+    from training.mixing import mix
+
+    d = DNSMOS(DNSMOS_DIR)
+    x = speechlike(int(16000 * 4.6), seed=3)  # tiled once to 9.2 s: a single 9.01 s window
+    noisy, clean = mix(x, np.random.default_rng(0).standard_normal(len(x)).astype(np.float32), 5.0, -25.0)
+    c, n = d.score(clean), d.score(noisy)
+    assert c["bak"] > n["bak"] + 0.5 and c["ovrl"] > n["ovrl"]
+    assert 1.0 <= n["bak"] <= 5.0
+    assert d.windows(np.ones(16000 * 12, np.float32)).shape == (3, 144160)  # 12 s: windows at 0, 1, 2 s
+
+
+@needs_dnsmos
+def test_eval_without_clean_uses_dnsmos(model_path, tmp_path):
+    noisy, _ = make_pairs(tmp_path / "real", n=1, seconds=4.6, noise=0.03)
+    out = tmp_path / "r"
+    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--out", str(out), "--no-audio"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s["noisy"]) == {"dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl"}
+    assert all(1.0 <= v <= 5.0 for v in s["enhanced"].values())
+    assert not (out / "enhanced").exists()
