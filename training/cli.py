@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def cmd_fit(args) -> int:
     )
     result = fit(opts, data)
     if not args.quiet and _is_main():
-        print(json.dumps({k: (None if isinstance(v, float) and v != v else v) for k, v in result.items()}))
+        print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}))
     return 0
 
 

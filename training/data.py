@@ -7,7 +7,8 @@ runs with one seed see the same data.
 Clean speech is drawn by source, then by group (speaker or voice) within the source, then by clip:
 a source's weight is sqrt(number of its groups) by default, so a few voices with thousands of
 prompts (the G.722 IVR voices) or one long folder do not dominate, while the many-speaker sources
-still count most. Short clips of one group are concatenated with short gaps to fill a segment.
+still count most. Short clips of one group are concatenated with short gaps to fill a segment, and a white noise
+floor 60-80 dB below the speech level is added (as in any real recording).
 The noise is a noise clip or a music clip (looped or cropped) or a babble of other training
 talkers; a share of examples is noise-free. Each example carries its clean bandwidth: the loss
 ignores bins above it (the G.722 material has nothing above 7 kHz).
@@ -40,6 +41,9 @@ class MixConfig:
     p_babble: float = 0.15  # ... or babble; otherwise a noise clip
     babble_talkers: tuple[int, int] = (3, 7)  # inclusive range
     gap_seconds: tuple[float, float] = (0.05, 0.4)  # silence between concatenated clips
+    # white noise floor under the clean speech, in dB below its active level: real recordings have
+    # one, and digital silence (gaps, padded prompts) would otherwise dominate the log-magnitude loss
+    floor_db: tuple[float, float] = (60.0, 80.0)
     source_weights: dict[str, float] = field(default_factory=dict)  # override the sqrt(groups) rule
 
     @property
@@ -49,7 +53,7 @@ class MixConfig:
     def validate(self) -> "MixConfig":
         if self.segment_seconds <= 0.1:
             raise ValueError(f"segment_seconds must be > 0.1, got {self.segment_seconds}")
-        for name in ("snr_db", "level_db", "gap_seconds", "babble_talkers"):
+        for name in ("snr_db", "level_db", "gap_seconds", "babble_talkers", "floor_db"):
             lo, hi = getattr(self, name)
             if lo > hi:
                 raise ValueError(f"{name}: low {lo} > high {hi}")
@@ -65,7 +69,7 @@ class MixConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "MixConfig":
         d = dict(d)
-        for k in ("snr_db", "level_db", "babble_talkers", "gap_seconds"):
+        for k in ("snr_db", "level_db", "babble_talkers", "gap_seconds", "floor_db"):
             if k in d:
                 d[k] = tuple(d[k])
         return cls(**d).validate()
@@ -185,6 +189,8 @@ class Synthesizer:
                 break
         else:
             raise DataError(f"example {index}: could not draw non-silent speech (is the speech cache silent?)")
+        floor = float(rng.uniform(*cfg.floor_db))
+        clean = clean + rng.standard_normal(n).astype(np.float32) * np.float32(active_rms(clean) * 10.0 ** (-floor / 20.0))
         snr = float(rng.uniform(*cfg.snr_db))
         level = float(rng.uniform(*cfg.level_db))
         if rng.random() < cfg.p_clean:

@@ -95,6 +95,7 @@ def plot_example(model_path, noisy_path, out, clean_path=None, title: str | None
         ax.set_ylabel(f"TIM layer {j + 1}", fontsize=8)
         if j == 0:
             ax.legend(loc="upper right", fontsize=7, ncol=comp.shape[2])
+    axes[-1].set_xlim(0, len(noisy) / SAMPLE_RATE)
     axes[-1].set_xlabel("time (s)")
     fig.suptitle(title or f"{Path(noisy_path).name}: spectrograms" + (" and competition scores" if n_tim else ""))
     fig.tight_layout()

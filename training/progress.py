@@ -13,6 +13,7 @@ class Progress:
         self.total = total
         self.bar = None
         self.last = time.time()
+        self.acc, self.n = 0.0, 0
         if enabled and self.stream.isatty():
             from tqdm import tqdm
 
@@ -25,11 +26,13 @@ class Progress:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:.1f} audio-s/s, lr {lr:.1e}", refresh=False)
             return
+        self.acc, self.n = self.acc + loss, self.n + 1
         now = time.time()
         if now - self.last >= self.interval:
             self.last = now
             of = f"/{self.total}" if self.total else ""
-            self.write(f"step {step}{of}: loss {loss:.4f}, {rate:.1f} audio-s/s, lr {lr:.1e}")
+            self.write(f"step {step}{of}: loss {self.acc / self.n:.4f} (mean of {self.n} steps), {rate:.1f} audio-s/s, lr {lr:.1e}")
+            self.acc, self.n = 0.0, 0
 
     def write(self, msg: str) -> None:
         if not self.enabled:
