@@ -163,10 +163,11 @@ class Scheduler:
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise RuntimeError("device 'cuda' requested but onnxruntime has no CUDAExecutionProvider "
                                    "(install the [gpu] extra on a machine with CUDA)")
-        workers = []
-        for i in range(s.workers):
-            enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
-            workers.append(Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000))
+        # One onnxruntime session for all workers (its run() is thread-safe): one copy of the weights
+        # in the caches instead of one per worker; each worker keeps its own lane pool.
+        enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
+        workers = [Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000)
+                   for i in range(s.workers)]
         for w in workers:
             w.start()
         self.workers = workers
@@ -253,7 +254,7 @@ class _Stream:
 
 
 class Worker(threading.Thread):
-    """One inference session, its lane pool, and the streams placed on it."""
+    """An inference thread: a lane pool on the shared session, and the streams placed on it."""
 
     def __init__(self, index: int, enhancer: Enhancer, lanes: int, metrics: Metrics, max_wait_s: float = 0.0):
         super().__init__(name=f"tim-worker-{index}", daemon=True)
@@ -266,6 +267,7 @@ class Worker(threading.Thread):
         self._stopping = False
         self.streams: dict[int, _Stream] = {}
         self._out: list[tuple[Job, Delivery]] = []
+        self._acks_due = False  # a push left a stream with output to hand over but no hop to step
         self._lanes_gauge = metrics.lanes_in_use.labels(worker=str(index))
 
     def submit(self, cmd) -> None:
@@ -294,8 +296,9 @@ class Worker(threading.Thread):
             try:
                 for cmd in cmds:
                     self._apply(*cmd)
-                if cmds and self._batch_wait() != 0:
-                    self._deliver()  # acknowledgements and errors; the step waits for more streams
+                if cmds and self._batch_wait() != 0:  # the step waits for more streams
+                    if self._acks_due:
+                        self._deliver()  # acknowledge pushes too short to make a hop
                     continue
                 self._round()
                 self._deliver()
@@ -309,18 +312,24 @@ class Worker(threading.Thread):
 
     def _batch_wait(self) -> float | None:
         """Seconds to hold the next step so that more live streams join it (0: step now, None:
-        nothing to step). Only while every ready stream has exactly one hop (no backlog), some live
-        streams are not ready yet, and no hop has waited `max_wait` yet."""
-        ready = [st for st in self.streams.values() if st.se.ready_hops()]
-        if not ready:
-            return None
-        if self.max_wait <= 0 or any(st.se.ready_hops() > 1 or st.flushing or st.job.source != "stream"
-                                     for st in ready):
+        nothing to step). A step waits until every live stream has a hop ready, or until the oldest
+        ready hop has waited `max_wait`: big batches cost far less per stream than small ones, and
+        a live stream needs only one step per 16 ms. Files and flushing streams never wait when no
+        live stream is ready; otherwise they ride along in the live streams' steps."""
+        ready_live, ready_other, live = [], False, 0
+        for st in self.streams.values():
+            is_live = st.job.source == "stream" and not st.flushing
+            live += is_live
+            if st.se.ready_hops():
+                if is_live:
+                    ready_live.append(st)
+                else:
+                    ready_other = True
+        if not ready_live:
+            return 0 if ready_other else None
+        if self.max_wait <= 0 or len(ready_live) >= live:
             return 0
-        live = sum(1 for st in self.streams.values() if st.job.source == "stream" and not st.flushing)
-        if len(ready) >= live:
-            return 0
-        remaining = min(st.ready_since for st in ready) + self.max_wait - time.perf_counter()
+        remaining = min(st.ready_since for st in ready_live) + self.max_wait - time.perf_counter()
         return remaining if remaining > 0 else 0
 
     def _apply(self, op: str, job: Job, arg, seq: int) -> None:
@@ -346,9 +355,12 @@ class Worker(threading.Thread):
             st.acked, st.dirty = seq, True
             if not had_hop:
                 st.ready_since = time.perf_counter()
+            if not st.se.ready_hops():
+                self._acks_due = True
         elif op == "end":
             begin_flush(st.se)
             st.flushing, st.dirty, st.acked = True, True, seq
+            self._acks_due = True
         elif op == "close":
             self._drop(st)
 
@@ -385,11 +397,16 @@ class Worker(threading.Thread):
             o += c
         for source, n in counts.items():
             self.metrics.frames.labels(source=source).inc(n)
+        now = time.perf_counter()
+        for st in ready:  # a hop left over counts as ready from now (a backlog of one chunk is no delay)
+            if st.se.ready_hops():
+                st.ready_since = now
 
     def _deliver(self) -> None:
         """Hand over output: live streams after every round they took part in (so a stream that is
         behind still gets audio hop by hop), files and flushing streams once they have no hop left.
         A push is acknowledged once all of its audio has been stepped."""
+        self._acks_due = False
         for st in list(self.streams.values()):
             if not st.dirty:
                 continue

@@ -19,12 +19,12 @@ DEVICES = ("auto", "cpu", "cuda")
 class Settings:
     model: Path | None = None  # None: the shipped model (enhancer.runtime.default_model_path())
     device: str = "auto"  # auto (CUDA when present, else CPU), cpu or cuda
-    workers: int = 1  # inference workers: one onnxruntime session and lane pool each
+    workers: int = 1  # inference threads, each with its own lane pool on one shared onnxruntime session
     threads: int = 1  # onnxruntime intra-op threads per worker
     max_streams: int = 64  # concurrent websocket streams (1013 beyond)
     max_rest_jobs: int = 4  # concurrent REST enhancements (503 beyond)
     max_channels: int = 8  # channels of one stream or file
-    max_batch_wait_ms: float = 4.0  # a ready hop may wait this long for other live streams to join its step
+    max_batch_wait_ms: float = 12.0  # a ready hop may wait this long for other live streams to join its step
     api_key: str | None = None  # required on /v1/* when set (REST header, websocket header or query)
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; () = no CORS headers
     # REST limits

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 
@@ -103,8 +104,9 @@ class StreamSession:
 
     async def _receive(self) -> dict:
         try:
-            message = await asyncio.wait_for(self.ws.receive(), timeout=self.settings.idle_timeout_s)
-        except asyncio.TimeoutError:
+            async with _timeout(self.settings.idle_timeout_s):  # a timer, not a task, per message
+                message = await self.ws.receive()
+        except (asyncio.TimeoutError, TimeoutError):
             raise ServiceError("idle_timeout", f"no message for {self.settings.idle_timeout_s:g} s; "
                                "closing the stream") from None
         except (WebSocketDisconnect, RuntimeError):
@@ -267,6 +269,23 @@ class StreamSession:
             self.writer.cancel()
         if self.job is not None:
             self.job.close()
+
+
+if hasattr(asyncio, "timeout"):  # Python >= 3.11
+    _timeout = asyncio.timeout
+else:  # pragma: no cover - Python 3.10
+    @contextlib.asynccontextmanager
+    async def _timeout(delay: float):
+        task = asyncio.current_task()
+        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if handle.cancelled() or handle.when() > asyncio.get_running_loop().time():
+                raise
+            raise asyncio.TimeoutError() from None
+        finally:
+            handle.cancel()
 
 
 def _parse_json(text: str):
