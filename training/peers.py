@@ -41,7 +41,8 @@ def add_bench_peers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report folder (default {DEFAULT_OUT})")
     p.add_argument("--model", type=Path, help="tim-enhancer ONNX model (default: the shipped models/tim.onnx)")
     p.add_argument("--model-label", help="name of the tim-enhancer row (default tim-enhancer)")
-    p.add_argument("--peers", help=f"comma-separated subset of: {', '.join(PEERS)} (default: all; noisy always runs)")
+    p.add_argument("--peers", help=f"comma-separated subset of: {', '.join(PEERS)} (default: all; noisy always runs); "
+                                   "module:Class adds an adapter of one's own (a training.peers_adapters.Peer)")
     p.add_argument("--jobs", type=int, default=1, help="peers run at once, one process and CPU thread each (default 1)")
     p.add_argument("--snr-regex", default=SNR_PATTERN, help=f"SNR in file names, first group in dB (default {SNR_PATTERN!r})")
     p.add_argument("--manifest", type=Path, help="CSV/TSV/JSONL with 'snr' and a file column (overrides names)")
@@ -56,9 +57,9 @@ def add_bench_peers(subparsers) -> argparse.ArgumentParser:
 def peer_names(arg: str | None) -> list[str]:
     """--peers -> names in run order, "noisy" first."""
     names = list(PEERS) if not arg else [n.strip() for n in arg.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PEERS]
+    unknown = [n for n in names if n not in PEERS and ":" not in n]
     if unknown:
-        raise DataError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+        raise DataError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEERS)}, or module:Class")
     return ["noisy"] + [n for n in dict.fromkeys(names) if n != "noisy"]
 
 

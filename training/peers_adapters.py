@@ -383,12 +383,22 @@ PEERS: dict[str, type[Peer]] = {c.name: c for c in (
 
 
 def make_peer(name: str, model=None, model_label: str | None = None) -> Peer:
-    """A fresh adapter by name (`PEERS`); `model`/`model_label` go to the tim-enhancer row."""
-    if name not in PEERS:
-        raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+    """A fresh adapter by name (`PEERS`), or "module:Class" for an adapter of one's own (a `Peer`
+    subclass); `model`/`model_label` go to the tim-enhancer row."""
     if name == TimEnhancer.name:
         return TimEnhancer(model, model_label)
-    return PEERS[name]()
+    if name in PEERS:
+        return PEERS[name]()
+    if ":" in name:
+        mod, _, cls = name.partition(":")
+        try:
+            peer = getattr(importlib.import_module(mod), cls)()
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"peer {name!r}: {e}") from None
+        if not isinstance(peer, Peer):
+            raise ValueError(f"peer {name!r} is not a training.peers_adapters.Peer")
+        return peer
+    raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)} or give module:Class")
 
 
 def single_thread() -> None:

@@ -53,9 +53,18 @@ def _peer(spec: PeerSpec):
     return _loaded[spec]
 
 
+def _blank(spec: PeerSpec) -> dict:
+    """Metadata of a peer that could not even be built."""
+    return {"name": spec.label or spec.name, "package": "", "version": "", "rate": 0, "delay_samples": 0,
+            "settings": "", "load_seconds": math.nan}
+
+
 def describe(spec: PeerSpec) -> dict:
     """Peer metadata; `status` "ok" after a successful load, else "unavailable" or "failed"."""
-    peer = make_peer(spec.name, spec.model, spec.label)
+    try:
+        peer = make_peer(spec.name, spec.model, spec.label)
+    except Exception as e:  # noqa: BLE001
+        return {**_blank(spec), "status": "failed", "reason": f"{type(e).__name__}: {e}"}
     info = {"name": peer.name, "package": peer.package, "version": peer.version(), "rate": peer.rate,
             "delay_samples": getattr(peer, "delay", 0), "settings": peer.settings,
             "status": "ok", "reason": "", "load_seconds": math.nan}
@@ -119,7 +128,7 @@ def run_peer(spec: PeerSpec, pairs: list[Pair], save_dir=None, isolate: bool = T
         try:
             info = pool.submit(describe, spec).result()
         except BrokenProcessPool:
-            info = {**_static_info(spec), "status": "failed", "reason": "load: the peer's process died"}
+            info = {**_blank(spec), "status": "failed", "reason": "load: the peer's process died"}
         rows = []
         for p in pairs if info["status"] == "ok" else []:
             try:
@@ -131,12 +140,6 @@ def run_peer(spec: PeerSpec, pairs: list[Pair], save_dir=None, isolate: bool = T
         return _finish(info, rows, log)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _static_info(spec: PeerSpec) -> dict:
-    peer = make_peer(spec.name, spec.model, spec.label)
-    return {"name": peer.name, "package": peer.package, "version": "", "rate": peer.rate,
-            "delay_samples": getattr(peer, "delay", 0), "settings": peer.settings, "load_seconds": math.nan}
 
 
 def _finish(info: dict, rows: list[dict], log) -> dict:

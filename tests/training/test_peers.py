@@ -2,6 +2,7 @@
 import argparse
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -167,6 +168,36 @@ def test_a_peer_failing_on_a_file_is_reported_and_skipped(tmp_path, monkeypatch)
     assert s["peers"]["flaky"]["files_scored"] == 1 and s["peers"]["flaky"]["files_failed"] == 1
     md = markdown(s)
     assert "| flaky |" in md and "1/2" in md and "flaky on snr20_long.wav: RuntimeError: boom" in md
+
+
+class Crashing(Peer):
+    """Kills its own process on long inputs (a native crash, as far as the runner can tell)."""
+
+    name = "crashing"
+
+    def process(self, x):
+        if len(x) > 40000:
+            os._exit(3)
+        return x
+
+
+def test_a_peer_process_dying_on_a_file_is_reported_and_the_next_file_runs(tmp_path):
+    nd, cd = tmp_path / "noisy", tmp_path / "clean"
+    _pairs(tmp_path, names=("a_short.wav", "c_short.wav"), seconds=1.5)
+    x = speechlike(48000, seed=5)
+    sf.write(nd / "b_long.wav", x, 16000, subtype="FLOAT")
+    sf.write(cd / "b_long.wav", x, 16000, subtype="FLOAT")
+    spec = PeerSpec(f"{Crashing.__module__}:Crashing")
+    [res] = run_benchmark(find_pairs(nd, cd), [spec], isolate=True)
+    assert res["name"] == "crashing" and res["status"] == "ok"
+    assert [r["file"] for r in res["rows"]] == ["a_short.wav", "b_long.wav", "c_short.wav"]
+    assert [r["error"] for r in res["rows"]] == ["", "the peer's process died on this file", ""]
+    assert res["rows"][2]["pesq_wb"] == pytest.approx(4.64, abs=0.01)
+
+
+def test_unknown_custom_peer_fails_cleanly(tmp_path):
+    [res] = run_benchmark(_pairs(tmp_path), [PeerSpec("no_such_module:Nope")], isolate=False)
+    assert res["status"] == "failed" and "no_such_module" in res["reason"] and res["rows"] == []
 
 
 def test_reports_have_the_right_shape(tmp_path, monkeypatch):
