@@ -28,9 +28,10 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def save_checkpoint(model, config: ModelConfig, path, **extra: Any) -> Path:
+def save_checkpoint(model, config: ModelConfig, path, half: bool = False, **extra: Any) -> Path:
     """Atomically write `model`'s weights with `config`. `extra` (plain data or tensors) is kept
-    under "extra" (training state, metrics...)."""
+    under "extra" (training state, metrics...). `half` stores floating tensors as float16 (half the
+    size; loading gives float32 again)."""
     import torch
 
     if model.config != config:
@@ -43,7 +44,8 @@ def save_checkpoint(model, config: ModelConfig, path, **extra: Any) -> Path:
         "stft": config.to_dict()["stft"],
         "normalization": {"mean": model.feat_mean.detach().cpu().clone(), "std": model.feat_std.detach().cpu().clone()},
         "versions": versions(),
-        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "state_dict": {k: (v.detach().cpu().half() if half and v.is_floating_point() else v.detach().cpu())
+                       for k, v in model.state_dict().items()},
         "extra": extra,
     }
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
@@ -101,7 +103,7 @@ def load_checkpoint(path, config: ModelConfig | None = None):
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} tensors (e.g. {unexpected[0]})")
         raise CheckpointError(f"{path}: weights do not match the stored config {stored.name!r}: " + "; ".join(parts))
-    model.load_state_dict(state)
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     model.eval()
     model.checkpoint = {k: v for k, v in blob.items() if k != "state_dict"}
     return model

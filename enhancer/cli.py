@@ -63,8 +63,15 @@ def cmd_export(a) -> int:
     from .checkpoint import load_checkpoint
     from .export import export_step
 
+    from .checkpoint import save_checkpoint
+    from .export import round_to_fp16
+
     model = load_checkpoint(a.checkpoint)
-    report = export_step(model, a.output, check=not a.no_check, verbose=False)
+    if a.fp16:
+        round_to_fp16(model)
+    report = export_step(model, a.output, check=not a.no_check, verbose=False, fp16_weights=a.fp16)
+    if a.save_checkpoint:  # weights only (no training state), e.g. the shipped models/tim.pt
+        report["checkpoint"] = str(save_checkpoint(model, model.config, a.save_checkpoint, half=a.fp16))
     print(json.dumps(report, indent=2))
     if "max_abs_diff" in report and report["max_abs_diff"] > 1e-4:
         print(f"error: onnxruntime differs from torch by {report['max_abs_diff']:.3g}", file=sys.stderr)
@@ -140,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint")
     e.add_argument("-o", "--output", required=True)
     e.add_argument("--no-check", action="store_true", help="skip onnx.checker and the onnxruntime/torch comparison")
+    e.add_argument("--fp16", action="store_true", help="store weights as float16 (half the size; computed in float32)")
+    e.add_argument("--save-checkpoint", default=None, metavar="PT",
+                   help="also write the exported weights as a torch checkpoint without training state")
     e.set_defaults(fn=cmd_export)
 
     i = sub.add_parser("info", help="config, parameters and latency of a model")

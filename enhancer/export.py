@@ -17,9 +17,14 @@ OPSET = 17
 META_PREFIX = "tim_enhancer."
 
 
-def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: int = 0, verbose: bool = False) -> dict:
+def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: int = 0, verbose: bool = False,
+                fp16_weights: bool = False) -> dict:
     """Write `model`'s step graph to `path`. Returns a report with the max abs difference between
-    onnxruntime and torch over `n_check_steps` steps of random audio (default: 2 x window)."""
+    onnxruntime and torch over `n_check_steps` steps of random audio (default: 2 x window).
+
+    `fp16_weights` stores the large weight tensors as float16 (half the file size); onnxruntime
+    casts them back to float32 once when it loads the graph, so the speed is unchanged. The weights
+    must already be float16 values (`round_to_fp16(model)`), so that the file is exact."""
     import onnx
     import torch
 
@@ -55,6 +60,8 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     for k, v in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + k, v
+    if fp16_weights:
+        _store_fp16(proto)
     proto.producer_name = "tim-enhancer"
     proto.doc_string = f"tim-enhancer streaming step graph, preset {cfg.name}"
     onnx.save(proto, str(path))
@@ -97,6 +104,42 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0) -> f
             np_c[:n_state], t_c[:n_state] = o[n_head:], list(t[n_head:])
             pos = pos + 1
     return worst
+
+
+def round_to_fp16(model):
+    """Round every floating parameter and buffer to the nearest float16 value, in place (kept as
+    float32). A model rounded like this is stored exactly by `export_step(fp16_weights=True)` and
+    by `save_checkpoint(half=True)`."""
+    import torch
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_floating_point():
+                t.copy_(t.half().float())
+    return model
+
+
+def _store_fp16(proto, min_elements: int = 1024) -> None:
+    """Replace large float32 initializers that hold float16 values (the rounded weights, not the
+    DFT bases) by float16 ones plus a Cast back to float32: lossless."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    casts = []
+    for init in proto.graph.initializer:
+        if init.data_type != TensorProto.FLOAT or int(np.prod(init.dims)) < min_elements:
+            continue
+        arr = numpy_helper.to_array(init)
+        half = arr.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), arr):
+            continue
+        name = init.name
+        init.CopyFrom(numpy_helper.from_array(half, name + "__fp16"))
+        casts.append(helper.make_node("Cast", [name + "__fp16"], [name], to=TensorProto.FLOAT, name=name + "__cast"))
+    nodes = casts + list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    onnx.checker.check_model(proto)
 
 
 def read_metadata(path) -> dict:

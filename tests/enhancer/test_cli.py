@@ -74,3 +74,19 @@ def test_denoise_folder_and_bad_files(tmp_path, model_path, capsys):
 def test_denoise_missing_input(tmp_path, model_path, capsys):
     assert main(["denoise", str(tmp_path / "nope.wav"), "-o", str(tmp_path / "o.wav"), "--model", str(model_path)]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_fp16_export_is_exact_and_half_the_size(tmp_path, torch_model, capsys):
+    ckpt = enhancer.save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
+    assert main(["export", str(ckpt), "-o", str(tmp_path / "m32.onnx")]) == 0
+    assert main(["export", str(ckpt), "-o", str(tmp_path / "m16.onnx"), "--fp16", "--save-checkpoint", str(tmp_path / "ship.pt")]) == 0
+    size32, size16 = (tmp_path / "m32.onnx").stat().st_size, (tmp_path / "m16.onnx").stat().st_size
+    assert size16 < 0.55 * size32
+    assert (tmp_path / "ship.pt").stat().st_size < 0.55 * ckpt.stat().st_size
+    shipped = enhancer.load_checkpoint(tmp_path / "ship.pt")  # float32 again, float16 values
+    x = speechlike(5000, seed=7)
+    ref = shipped.enhance(torch.from_numpy(x)[None])[0].numpy()
+    got = Enhancer.from_pretrained(tmp_path / "m16.onnx").enhance(x, 16000)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    full = Enhancer.from_pretrained(tmp_path / "m32.onnx").enhance(x, 16000)
+    assert 0 < np.abs(full - got).max() < 0.02 * np.abs(full).max()  # rounding the weights changes little
