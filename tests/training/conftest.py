@@ -81,3 +81,34 @@ def tiny_config(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("audio-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A tiny `tim` model (8 blocks, 5 TIM layers, random weights, non-trivial normalisation), eval mode."""
+    import torch
+
+    from enhancer import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tim", **{k: tuple(v) if isinstance(v, list) else v for k, v in TINY_MODEL.items() if k != "preset"})
+    model = build_model(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    model.set_normalization(torch.randn(cfg.n_freqs, generator=g) * 0.5 - 4.0, torch.rand(cfg.n_freqs, generator=g) + 1.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(tiny_model, tmp_path_factory) -> Path:
+    from enhancer.export import export_step
+
+    path = tmp_path_factory.mktemp("tiny-onnx") / "tiny.onnx"
+    export_step(tiny_model, path, check=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_model, tmp_path_factory) -> Path:
+    from enhancer import save_checkpoint
+
+    return save_checkpoint(tiny_model, tiny_model.config, tmp_path_factory.mktemp("tiny-ckpt") / "tiny.pt")

@@ -11,7 +11,6 @@ import soundfile as sf
 from pesq import pesq
 from pystoi import stoi
 
-from enhancer import save_checkpoint
 from tests.conftest import speechlike
 from training.cli import default_dnsmos_dir, main
 from training.metrics import si_sdr
@@ -36,10 +35,10 @@ def read_rows(out: Path) -> dict[str, dict]:
         return {r["name"]: r for r in csv.DictReader(f)}
 
 
-def test_identical_folders_score_perfectly_and_match_direct_calls(model_path, tmp_path):
+def test_identical_folders_score_perfectly_and_match_direct_calls(tiny_onnx, tmp_path):
     noisy, clean = make_pairs(tmp_path / "same", noise=0.0)
     out = tmp_path / "report"
-    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
+    assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
                  "--no-dnsmos", "--jobs", "2"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["files"] == 2
@@ -59,10 +58,10 @@ def test_identical_folders_score_perfectly_and_match_direct_calls(model_path, tm
     assert "| PESQ-WB | 4.64" in md and "| metric | noisy | enhanced | change |" in md
 
 
-def test_noisy_metrics_match_direct_calls(model_path, tmp_path):
+def test_noisy_metrics_match_direct_calls(tiny_onnx, tmp_path):
     noisy, clean = make_pairs(tmp_path / "n", n=1, noise=0.02)
     out = tmp_path / "report"
-    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
+    assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
                  "--no-dnsmos"]) == 0
     row = read_rows(out)["f0.wav"]
     ref, _ = sf.read(str(clean / "f0.wav"), dtype="float32")
@@ -83,11 +82,11 @@ def test_si_sdr_properties():
     assert si_sdr(x, x + n) == pytest.approx(10.0, abs=0.2)
 
 
-def test_streaming_and_checkpoint_agree_with_offline_onnx(torch_model, model_path, tmp_path):
+def test_streaming_and_checkpoint_agree_with_offline_onnx(tiny_ckpt, tiny_onnx, tmp_path):
     noisy, clean = make_pairs(tmp_path / "d", n=1, seconds=1.5, noise=0.05)
-    ckpt = save_checkpoint(torch_model, torch_model.config, tmp_path / "model.pt")
+    ckpt = tiny_ckpt
     outs = {}
-    for tag, model, extra in (("onnx", model_path, []), ("stream", model_path, ["--streaming"]),
+    for tag, model, extra in (("onnx", tiny_onnx, []), ("stream", tiny_onnx, ["--streaming"]),
                               ("ckpt", ckpt, []), ("ckpt-stream", ckpt, ["--streaming"])):
         outs[tag] = tmp_path / tag
         assert main(["eval", "--model", str(model), "--noisy", str(noisy), "--clean", str(clean), "--out", str(outs[tag]),
@@ -101,7 +100,7 @@ def test_streaming_and_checkpoint_agree_with_offline_onnx(torch_model, model_pat
     assert json.loads((outs["stream"] / "summary.json").read_text())["streaming"] is True
 
 
-def test_dns_and_voicebank_layouts(model_path, tmp_path):
+def test_dns_and_voicebank_layouts(tiny_onnx, tmp_path):
     test = tmp_path / "dns" / "datasets" / "test_set" / "synthetic" / "no_reverb"
     (test / "clean").mkdir(parents=True)
     (test / "noisy").mkdir(parents=True)
@@ -110,7 +109,7 @@ def test_dns_and_voicebank_layouts(model_path, tmp_path):
         sf.write(str(test / "clean" / f"clean_fileid_{fid}.wav"), x, 16000)
         sf.write(str(test / "noisy" / f"clnsp{fid}_snr5_tl-21_fileid_{fid}.wav"), x + 0.01, 16000)
     out = tmp_path / "r1"
-    assert main(["eval", "--model", str(model_path), "--dns-root", str(tmp_path / "dns"), "--out", str(out), "--no-dnsmos"]) == 0
+    assert main(["eval", "--model", str(tiny_onnx), "--dns-root", str(tmp_path / "dns"), "--out", str(out), "--no-dnsmos"]) == 0
     assert set(read_rows(out)) == {"clnsp0_snr5_tl-21_fileid_0.wav", "clnsp1_snr5_tl-21_fileid_1.wav"}
 
     vb = tmp_path / "vb"
@@ -118,19 +117,19 @@ def test_dns_and_voicebank_layouts(model_path, tmp_path):
         (vb / folder).mkdir(parents=True)
         sf.write(str(vb / folder / "p232_001.wav"), speechlike(48000, 48000, seed=9), 48000)
     out = tmp_path / "r2"
-    assert main(["eval", "--model", str(model_path), "--vb-root", str(vb), "--out", str(out), "--no-dnsmos"]) == 0
+    assert main(["eval", "--model", str(tiny_onnx), "--vb-root", str(vb), "--out", str(out), "--no-dnsmos"]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["files"] == 1 and s["seconds"] == pytest.approx(1.0, abs=1e-3)  # scored at 16 kHz
     assert s["noisy"]["pesq_wb"] == pytest.approx(4.644, abs=0.01)
 
 
-def test_eval_input_errors(model_path, tmp_path, capsys):
-    assert main(["eval", "--model", str(model_path), "--noisy", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+def test_eval_input_errors(tiny_onnx, tmp_path, capsys):
+    assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert "noisy folder not found" in capsys.readouterr().err
     noisy, _ = make_pairs(tmp_path / "x", n=1)
     assert main(["eval", "--model", str(tmp_path / "nope.onnx"), "--noisy", str(noisy), "--out", str(tmp_path / "o")]) == 2
     assert "model not found" in capsys.readouterr().err
-    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--out", str(tmp_path / "o"), "--no-dnsmos"]) == 2
+    assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(noisy), "--out", str(tmp_path / "o"), "--no-dnsmos"]) == 2
     assert "only DNSMOS can score" in capsys.readouterr().err
 
 
@@ -149,10 +148,10 @@ def test_dnsmos_prefers_clean_speech():
 
 
 @needs_dnsmos
-def test_eval_without_clean_uses_dnsmos(model_path, tmp_path):
+def test_eval_without_clean_uses_dnsmos(tiny_onnx, tmp_path):
     noisy, _ = make_pairs(tmp_path / "real", n=1, seconds=4.6, noise=0.03)
     out = tmp_path / "r"
-    assert main(["eval", "--model", str(model_path), "--noisy", str(noisy), "--out", str(out), "--no-audio"]) == 0
+    assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(noisy), "--out", str(out), "--no-audio"]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert set(s["noisy"]) == {"dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl"}
     assert all(1.0 <= v <= 5.0 for v in s["enhanced"].values())

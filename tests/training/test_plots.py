@@ -8,18 +8,17 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from enhancer import save_checkpoint
 from tests.conftest import speechlike
 from training.cli import main
 from training.plots import enhance_with_competition
 
 
-def test_competition_scores_from_checkpoint_and_onnx_agree(torch_model, model_path, tmp_path):
-    ckpt = save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
+def test_competition_scores_from_checkpoint_and_onnx_agree(tiny_model, tiny_ckpt, tiny_onnx):
+    ckpt = tiny_ckpt
     x = speechlike(16000, seed=2)
     y_t, comp_t, hop_t = enhance_with_competition(ckpt, x)
-    y_o, comp_o, hop_o = enhance_with_competition(model_path, x)
-    cfg = torch_model.config
+    y_o, comp_o, hop_o = enhance_with_competition(tiny_onnx, x)
+    cfg = tiny_model.config
     assert hop_t == hop_o == 0.016
     assert comp_t.shape == (64, cfg.n_tim_layers, cfg.n_mechanisms)  # one row per STFT frame
     np.testing.assert_allclose(comp_t.sum(-1), 1.0, atol=1e-5)
@@ -29,11 +28,11 @@ def test_competition_scores_from_checkpoint_and_onnx_agree(torch_model, model_pa
     np.testing.assert_allclose(y_o, y_t, atol=2e-4)
 
 
-def test_plot_example_and_curves_write_pngs(model_path, tmp_path):
+def test_plot_example_and_curves_write_pngs(tiny_onnx, tmp_path):
     sf.write(str(tmp_path / "noisy.wav"), speechlike(16000, seed=1) + 0.01, 16000)
     sf.write(str(tmp_path / "clean.wav"), speechlike(16000, seed=1), 16000)
     out = tmp_path / "fig.png"
-    assert main(["plot", "--model", str(model_path), "--noisy", str(tmp_path / "noisy.wav"), "--clean",
+    assert main(["plot", "--model", str(tiny_onnx), "--noisy", str(tmp_path / "noisy.wav"), "--clean",
                  str(tmp_path / "clean.wav"), "--out", str(out)]) == 0
     img = mpimg.imread(out)
     assert img.ndim == 3 and img.shape[0] > img.shape[1] * 0.5  # three spectrograms + 5 TIM layers stacked
