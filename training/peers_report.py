@@ -93,6 +93,8 @@ def markdown(summary: dict) -> str:
             p = ran[k]
             cells = [_fmt(p["by_snr"].get(str(b), {}).get("pesq_wb")) for b in buckets]
             out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean']['pesq_wb'])} |")
+        if any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
+            out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
     missing = {k: v for k, v in peers.items() if v["status"] != "ok"}
     if missing:
         out += ["", "## Not run", ""] + [f"- {k}: {v['status']}: {v['reason']}" for k, v in missing.items()]
