@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from enhancer.errors import AudioError
-from enhancer.runtime import Enhancer, LanePool, StreamingEnhancer
+from enhancer.runtime import Enhancer, LanePool, StreamingEnhancer, min_gain_for
 from enhancer.signal import check_rate
 
 from .errors import ServiceError
@@ -196,8 +196,6 @@ class Scheduler:
             raise ServiceError("invalid_parameter", str(e)) from None
         if not isinstance(channels, int) or isinstance(channels, bool) or not 1 <= channels <= s.max_channels:
             raise ServiceError("invalid_parameter", f"channels must be an integer in 1..{s.max_channels}, got {channels!r}")
-        from enhancer.runtime import min_gain_for
-
         try:
             min_gain_for(atten_lim_db)
         except AudioError as e:
