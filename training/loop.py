@@ -25,20 +25,20 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from enhancer import ModelConfig, build_model, load_checkpoint
 from enhancer.checkpoint import read_checkpoint
 from enhancer.errors import CheckpointError
-from enhancer.model import count_parameters, loss_fn
-from enhancer.model import features
+from enhancer.model import count_parameters, features
 
 from .audio_cache import cached_audio, default_cache_root
 from .checkpoints import CheckpointDir
 from .data import MixConfig, Synthesizer, validation_set
+from .distributed import Dist
 from .layouts import TrainingData
-from .manifests import DataError, describe
+from .manifests import describe
+from .objective import band_weight, batch_loss, feature_stats
 from .progress import Progress
 
 METRICS_COLUMNS = ("step", "examples", "hours", "split", "loss", "lr", "audio_s_per_s", "grad_norm")
@@ -71,94 +71,6 @@ class FitOptions:
     cache_dir: Path | None = None
     jobs: int | None = None  # processes decoding audio into the cache
     quiet: bool = False
-
-
-# --------------------------------------------------------------------------- distributed helpers
-class Dist:
-    def __init__(self):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.enabled = self.world > 1
-        cuda = torch.cuda.is_available()
-        self.device = torch.device(f"cuda:{self.local_rank}" if cuda else "cpu")
-        if self.enabled:
-            import datetime
-
-            import torch.distributed as dist
-
-            if cuda:
-                torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, values: list[float]) -> list[float]:
-        if not self.enabled:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def gather(self, obj):
-        if not self.enabled:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.enabled:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.enabled:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------- features and loss
-def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """(B,) bandwidths -> (B, 1, F) 1 for bins at or below the bandwidth, 0 above."""
-    freqs = torch.arange(cfg.n_freqs, device=bandwidth_hz.device) * (cfg.stft.sample_rate / cfg.stft.n_fft)  # (F,)
-    return (freqs[None, :] <= bandwidth_hz[:, None] + 1e-3).float()[:, None, :]  # (B, 1, F)
-
-
-def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast) -> torch.Tensor:
-    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
-    cfg = core.config
-    x = features.log_magnitude(features.stft(noisy, cfg.stft), cfg.log_eps)  # (B, T, F)
-    y = features.log_magnitude(features.stft(clean, cfg.stft), cfg.log_eps)  # (B, T, F)
-    with autocast():
-        gains, _ = net(x, pad_end=False)  # (B, T - L, F)
-    t = gains.shape[1]
-    w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
-    return loss_fn(core, x[:, :t], y[:, :t], gains.float(), w)
-
-
-def feature_stats(synth: Synthesizer, n_examples: int, cfg: ModelConfig, batch: int = 32):
-    """Per-bin mean and std of the noisy log-magnitude over `n_examples` examples."""
-    s1 = torch.zeros(cfg.n_freqs, dtype=torch.float64)
-    s2 = torch.zeros(cfg.n_freqs, dtype=torch.float64)
-    count = 0
-    for start in range(0, n_examples, batch):
-        noisy, _, _ = synth.batch(range(start, min(start + batch, n_examples)))
-        x = features.log_magnitude(features.stft(torch.from_numpy(noisy), cfg.stft), cfg.log_eps).double()  # (B, T, F)
-        s1 += x.sum(dim=(0, 1))
-        s2 += (x * x).sum(dim=(0, 1))
-        count += x.shape[0] * x.shape[1]
-    mean = s1 / count
-    std = (s2 / count - mean * mean).clamp_min(1e-6).sqrt()
-    return mean.float(), std.float()
 
 
 def choose_precision(requested: str, device: torch.device) -> str:

@@ -9,7 +9,7 @@ from enhancer import ModelConfig
 from tests.conftest import speechlike
 from training.audio_cache import AudioSet
 from training.data import MixConfig, Synthesizer, validation_set
-from training.loop import band_weight
+from training.objective import band_weight
 from training.manifests import Item
 from training.mixing import active_rms, fit_length, level_db, mix, snr_db
 

@@ -5,7 +5,6 @@ import csv
 
 import matplotlib.image as mpimg
 import numpy as np
-import pytest
 import soundfile as sf
 
 from tests.conftest import speechlike

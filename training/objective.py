@@ -1,0 +1,44 @@
+"""The training objective on waveforms: log-magnitude features, the band mask of band-limited
+sources, the MSE of the model's log-magnitude estimate, and the feature statistics."""
+from __future__ import annotations
+
+import torch
+
+from enhancer import ModelConfig
+from enhancer.model import features, loss_fn
+
+from .data import Synthesizer
+
+
+def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """(B,) bandwidths -> (B, 1, F) 1 for bins at or below the bandwidth, 0 above."""
+    freqs = torch.arange(cfg.n_freqs, device=bandwidth_hz.device) * (cfg.stft.sample_rate / cfg.stft.n_fft)  # (F,)
+    return (freqs[None, :] <= bandwidth_hz[:, None] + 1e-3).float()[:, None, :]  # (B, 1, F)
+
+
+def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast) -> torch.Tensor:
+    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
+    cfg = core.config
+    x = features.log_magnitude(features.stft(noisy, cfg.stft), cfg.log_eps)  # (B, T, F)
+    y = features.log_magnitude(features.stft(clean, cfg.stft), cfg.log_eps)  # (B, T, F)
+    with autocast():
+        gains, _ = net(x, pad_end=False)  # (B, T - L, F)
+    t = gains.shape[1]
+    w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
+    return loss_fn(core, x[:, :t], y[:, :t], gains.float(), w)
+
+
+def feature_stats(synth: Synthesizer, n_examples: int, cfg: ModelConfig, batch: int = 32):
+    """Per-bin mean and std of the noisy log-magnitude over `n_examples` examples."""
+    s1 = torch.zeros(cfg.n_freqs, dtype=torch.float64)
+    s2 = torch.zeros(cfg.n_freqs, dtype=torch.float64)
+    count = 0
+    for start in range(0, n_examples, batch):
+        noisy, _, _ = synth.batch(range(start, min(start + batch, n_examples)))
+        x = features.log_magnitude(features.stft(torch.from_numpy(noisy), cfg.stft), cfg.log_eps).double()  # (B, T, F)
+        s1 += x.sum(dim=(0, 1))
+        s2 += (x * x).sum(dim=(0, 1))
+        count += x.shape[0] * x.shape[1]
+    mean = s1 / count
+    std = (s2 / count - mean * mean).clamp_min(1e-6).sqrt()
+    return mean.float(), std.float()
