@@ -181,3 +181,14 @@ def test_dns_root_and_manifest_sources(tmp_path, corpus):
     data = training_data(args)
     assert len(data.valid["speech"]) == 6 and data.train["music"] == []
     assert len(data.train["noise"]) + len(data.valid["noise"]) == 4 and data.valid["noise"]
+
+
+def test_max_minutes_stops_and_checkpoints(corpus, tiny_config, cache_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = fit_args(corpus, tiny_config, cache_dir, out, 100000, "--max-minutes", "0.001")
+    args.remove("--quiet")
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "reached --max-minutes" in err
+    steps = sorted(losses(out))
+    assert 1 <= len(steps) < 100 and (out / "checkpoints" / f"step-{steps[-1]:08d}.pt").is_file()
