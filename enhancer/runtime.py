@@ -208,26 +208,35 @@ class StreamingEnhancer:
 
     def flush(self) -> np.ndarray:
         """Process the tail and return it; the stream then starts afresh."""
+        self.begin_flush()
+        self._run_pending()
+        result = self._shape(self.end_flush())
+        self.reset()
+        return result
+
+    def begin_flush(self) -> None:
+        """First half of `flush` for a scheduler that runs the steps itself: drain the input
+        resampler and pad zeros so that the hops still to run cover every input sample plus the
+        model's delay (`ready_hops()` tells how many)."""
         self._check_open()
-        tail = self._rs_in.process(np.zeros((0, self.channels), np.float32), last=True)
-        self._append(tail)
-        need = self.config.delay_samples + self.n_in_model  # stream samples covering every input sample
+        self._append(self._rs_in.process(np.zeros((0, self.channels), np.float32), last=True))
         hop = self.config.stft.hop
-        produced = self._produced_model_samples()
-        steps = -(-max(need - produced, 0) // hop)
+        need = self.config.delay_samples + self.n_in_model  # stream samples covering every input sample
+        steps = -(-max(need - self._produced_model_samples(), 0) // hop)
         missing = steps * hop - len(self._pending)
         if missing > 0:
             self._pending = np.concatenate([self._pending, np.zeros((missing, self.channels), np.float32)])
-        self._run_pending()
+
+    def end_flush(self) -> np.ndarray:
+        """Second half, once those hops have run: the tail as (n, channels), so that the total
+        output length equals the total input length. Does not reset the stream."""
         out = self.pull(last=True)
         remaining = self.n_in - self.n_out
         if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
             out = np.concatenate([out, np.zeros((remaining - out.shape[0], self.channels), np.float32)])
-        out = out[:remaining]
+        out = out[:max(remaining, 0)]
         self.n_out += out.shape[0]
-        result = self._shape(out)
-        self.reset()
-        return result
+        return out
 
     def reset(self) -> None:
         """Drop all state and buffered audio; the next `feed` starts a new stream."""
@@ -247,16 +256,17 @@ class StreamingEnhancer:
         return [{"competition": c, "activity": a} for c, a in frames]
 
     # ------------------------------------------------------------------ split interface
-    def push(self, pcm) -> None:
+    def push(self, pcm, name: str = "pcm") -> None:
+        """Queue input audio; `name` is how errors refer to it."""
         self._check_open()
         a = np.asarray(pcm)
         if a.size == 0 and a.ndim in (1, 2):
             return
-        a = check_audio(a, "pcm")
+        a = check_audio(a, name)
         if a.ndim == 1:
             a = a[:, None]
         if a.shape[1] != self.channels:
-            raise AudioError(f"pcm has {a.shape[1]} channel(s), the stream was opened with {self.channels}")
+            raise AudioError(f"{name} has {a.shape[1]} channel(s), the stream was opened with {self.channels}")
         self.n_in += a.shape[0]
         self._append(self._rs_in.process(a))
 

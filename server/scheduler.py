@@ -45,31 +45,6 @@ class Delivery:
     error: ServiceError | None = None
 
 
-# ---------------------------------------------------------------------------------- flushing
-def begin_flush(se: StreamingEnhancer) -> None:
-    """First half of `StreamingEnhancer.flush` for a scheduler: drain the input resampler and pad
-    zeros so that the hops still to run cover every input sample plus the model's delay."""
-    c = se.channels
-    se._append(se._rs_in.process(np.zeros((0, c), np.float32), last=True))
-    need = se.config.delay_samples + se.n_in_model
-    hop = se.config.stft.hop
-    steps = -(-max(need - se._produced_model_samples(), 0) // hop)
-    missing = steps * hop - len(se._pending)
-    if missing > 0:
-        se._pending = np.concatenate([se._pending, np.zeros((missing, c), np.float32)])
-
-
-def end_flush(se: StreamingEnhancer) -> np.ndarray:
-    """Second half, once the padded hops have run: the tail, so that output length == input length."""
-    out = se.pull(last=True)
-    remaining = se.n_in - se.n_out
-    if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
-        out = np.concatenate([out, np.zeros((remaining - out.shape[0], se.channels), np.float32)])
-    out = out[:max(remaining, 0)]
-    se.n_out += out.shape[0]
-    return out
-
-
 # ---------------------------------------------------------------------------------- loop side
 class Job:
     """The event-loop side of one stream: enqueue audio, await deliveries. Not thread-safe: use it
@@ -345,7 +320,7 @@ class Worker(threading.Thread):
         elif op == "push":
             had_hop = st.se.ready_hops() > 0
             try:
-                st.se.push(arg)
+                st.se.push(arg, "audio")
             except Exception as e:  # noqa: BLE001
                 self._fail(job, e)
                 self._drop(st)
@@ -356,7 +331,7 @@ class Worker(threading.Thread):
             if not st.se.ready_hops():
                 self._acks_due = True
         elif op == "end":
-            begin_flush(st.se)
+            st.se.begin_flush()
             st.flushing, st.dirty, st.acked = True, True, seq
             self._acks_due = True
         elif op == "close":
@@ -414,7 +389,7 @@ class Worker(threading.Thread):
                 continue
             st.dirty = not drained
             if st.flushing:
-                audio, final = end_flush(se), True
+                audio, final = se.end_flush(), True
             else:
                 audio, final = se.pull().reshape(-1, se.channels), False
             frames, st.frames = st.frames, []

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import server
-from server.scheduler import begin_flush, end_flush
 from server.settings import Settings
 from tests.conftest import speechlike
 
@@ -128,11 +127,11 @@ def test_split_flush_matches_streaming_flush(enhancer_rt):
     try:
         ya = np.concatenate([a.feed(x[:20000]), a.feed(x[20000:]), a.flush()])
         parts = [b.feed(x[:20000]), b.feed(x[20000:])]
-        begin_flush(b)
+        b.begin_flush()
         while b.ready_hops():
             r = b.pool.step(b.lanes, b.take_hop(), np.zeros(2, np.float32))
             b.put_output(r.out, r.competition, r.activity)
-        parts.append(end_flush(b))
+        parts.append(b.end_flush())
         yb = np.concatenate(parts)
     finally:
         a.close()
