@@ -50,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="tim-enhancer", version=enhancer.__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings, app.state.metrics, app.state.scheduler = settings, metrics, scheduler
+    app.state.sessions = set()  # open websocket streams (StreamSession)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key"],

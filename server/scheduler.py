@@ -268,7 +268,7 @@ class Worker(threading.Thread):
                 self._inbox.clear()
             try:
                 for cmd in cmds:
-                    self._apply(*cmd)
+                    self._apply_one(cmd)
                 if cmds and self._batch_wait() != 0:  # the step waits for more streams
                     if self._acks_due:
                         self._deliver()  # acknowledge pushes too short to make a hop
@@ -305,6 +305,18 @@ class Worker(threading.Thread):
         remaining = min(st.ready_since for st in ready_live) + self.max_wait - time.perf_counter()
         return remaining if remaining > 0 else 0
 
+    def _apply_one(self, cmd) -> None:
+        """Apply one command; a failure closes that command's stream only."""
+        try:
+            self._apply(*cmd)
+        except Exception as e:  # noqa: BLE001
+            job = cmd[1]
+            log.exception("stream %d: %s failed", job.id, cmd[0])
+            self._fail(job, e, internal=True)
+            st = self.streams.get(job.id)
+            if st is not None:
+                self._drop(st)
+
     def _apply(self, op: str, job: Job, arg, seq: int) -> None:
         st = self.streams.get(job.id)
         if op == "open":
@@ -338,41 +350,65 @@ class Worker(threading.Thread):
             self._drop(st)
 
     def _round(self) -> None:
-        """One batched step over every stream with a ready hop."""
+        """One batched step over every stream with a ready hop. If the batched call fails, each
+        stream is retried alone (the pool's state only changes when a step succeeds), so a fault
+        tied to one stream closes that stream only and a transient one closes none."""
         ready = [st for st in self.streams.values() if st.se.ready_hops()]
         if not ready:
             return
-        lanes = np.concatenate([st.se.lanes for st in ready])
-        hops = np.concatenate([st.se.take_hop() for st in ready])  # (k, hop)
-        gains = np.concatenate([st.gain for st in ready])
-        t0 = time.perf_counter()
+        hops = [st.se.take_hop() for st in ready]  # (channels, hop) each
         try:
-            r = self.pool.step(lanes, hops, gains)
-        except Exception as e:  # noqa: BLE001
-            log.exception("inference step failed")
-            for st in ready:
-                self._fail(st.job, e, internal=True)
-                self._drop(st)
+            r = self._step(ready, hops)
+        except Exception:  # noqa: BLE001
+            log.exception("inference step of %d stream(s) failed; retrying them one by one", len(ready))
+            for st, hop in zip(ready, hops):
+                try:
+                    r = self._step([st], [hop])
+                except Exception as e:  # noqa: BLE001
+                    log.error("inference step failed again for stream %d alone: closing it (%s)", st.job.id,
+                              type(e).__name__)
+                    self._fail(st.job, e, internal=True)
+                    self._drop(st)
+                    continue
+                self._scatter([st], r)
             return
+        self._scatter(ready, r)
+
+    def _step(self, group: list[_Stream], hops: list[np.ndarray]):
+        lanes = np.concatenate([st.se.lanes for st in group])
+        gains = np.concatenate([st.gain for st in group])
+        t0 = time.perf_counter()
+        r = self.pool.step(lanes, np.concatenate(hops), gains)
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         self.metrics.batch_size.observe(len(lanes))
+        return r
+
+    def _scatter(self, group: list[_Stream], r) -> None:
+        """Hand each stream its slice of a step's result (a stream whose bookkeeping fails is
+        closed alone)."""
         o = 0
         counts = collections.Counter()
-        for st in ready:
+        for st in group:
             c = st.se.channels
-            comp = None if r.competition is None else r.competition[o:o + c]
-            st.se.put_output(r.out[o:o + c], None, None)
-            if st.job.metadata:
-                st.frames.append((st.steps, comp, r.activity[o:o + c]))
-            st.steps += 1
-            st.dirty = True
-            counts[st.job.source] += 1
+            try:
+                comp = None if r.competition is None else r.competition[o:o + c]
+                st.se.put_output(r.out[o:o + c], None, None)
+                if st.job.metadata:
+                    st.frames.append((st.steps, comp, r.activity[o:o + c]))
+            except Exception as e:  # noqa: BLE001
+                log.exception("stream %d: output bookkeeping failed", st.job.id)
+                self._fail(st.job, e, internal=True)
+                self._drop(st)
+            else:
+                st.steps += 1
+                st.dirty = True
+                counts[st.job.source] += 1
             o += c
         for source, n in counts.items():
             self.metrics.frames.labels(source=source).inc(n)
         now = time.perf_counter()
-        for st in ready:  # a hop left over counts as ready from now (a backlog of one chunk is no delay)
-            if st.se.ready_hops():
+        for st in group:  # a hop left over counts as ready from now (a backlog of one chunk is no delay)
+            if st.job.id in self.streams and st.se.ready_hops():
                 st.ready_since = now
 
     def _deliver(self) -> None:
@@ -383,21 +419,29 @@ class Worker(threading.Thread):
         for st in list(self.streams.values()):
             if not st.dirty:
                 continue
-            se = st.se
-            drained = not se.ready_hops()
-            if not drained and (st.flushing or st.job.source != "stream"):
-                continue
-            st.dirty = not drained
-            if st.flushing:
-                audio, final = se.end_flush(), True
-            else:
-                audio, final = se.pull().reshape(-1, se.channels), False
-            frames, st.frames = st.frames, []
-            acked = st.acked if drained else 0
-            self._out.append((st.job, Delivery(audio, frames, acked, final)))
-            if final:
+            try:
+                self._deliver_one(st)
+            except Exception as e:  # noqa: BLE001
+                log.exception("stream %d: delivering output failed", st.job.id)
+                self._fail(st.job, e, internal=True)
                 self._drop(st)
         self._post()
+
+    def _deliver_one(self, st: _Stream) -> None:
+        se = st.se
+        drained = not se.ready_hops()
+        if not drained and (st.flushing or st.job.source != "stream"):
+            return
+        st.dirty = not drained
+        if st.flushing:
+            audio, final = se.end_flush(), True
+        else:
+            audio, final = se.pull().reshape(-1, se.channels), False
+        frames, st.frames = st.frames, []
+        acked = st.acked if drained else 0
+        self._out.append((st.job, Delivery(audio, frames, acked, final)))
+        if final:
+            self._drop(st)
 
     def _fail(self, job: Job, e: Exception, internal: bool = False) -> None:
         if isinstance(e, AudioError) and not internal:

@@ -44,6 +44,7 @@ class _Closed(Exception):
 async def stream(ws: WebSocket) -> None:
     await ws.accept()
     session = StreamSession(ws)
+    ws.app.state.sessions.add(session)
     try:
         await session.run()
     except ServiceError as e:
@@ -55,6 +56,7 @@ async def stream(ws: WebSocket) -> None:
         await session.fail(ServiceError("internal", "internal error; the stream was closed"))
     finally:
         session.cleanup()
+        ws.app.state.sessions.discard(session)
 
 
 class StreamSession:
