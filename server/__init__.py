@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .serving import Server, StartupError, uvicorn_config
 from .settings import Settings
 
-__all__ = ["run", "create_app", "Settings", "uvicorn_config"]
+__all__ = ["run", "create_app", "Settings", "Server", "StartupError", "uvicorn_config"]
 
 
 def create_app(settings: Settings | None = None):
@@ -21,29 +22,15 @@ def create_app(settings: Settings | None = None):
     return _create(settings)
 
 
-def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int = 8000, **kwargs):
-    """uvicorn settings that match the service's limits (websocket frames are checked by the
-    handler, which answers with a JSON error and 1009; uvicorn's own cap is a backstop above it)."""
-    import uvicorn
-
-    from .logs import log_config
-
-    # per-message deflate is off: PCM barely compresses, and it cost ~10 % of the CPU of 32 streams
-    options = dict(host=host, port=port, ws_max_size=4 * settings.max_message_bytes + 65536, log_level="info",
-                   ws_per_message_deflate=False,
-                   log_config=log_config(), timeout_graceful_shutdown=5, proxy_headers=False, server_header=False)
-    return uvicorn.Config(app, **(options | kwargs))
-
-
 def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "auto", workers: int = 1,
         max_streams: int = 64, api_key: str | None = None, **limits) -> None:
-    """Serve until interrupted. `model`: path of an exported step graph (default: the shipped
-    model); `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*; `limits`: other `Settings` fields
+    """Serve until SIGTERM / SIGINT, then drain the live streams (see `serving`). `model`: path of
+    an exported step graph (default: the shipped model); `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*; `limits`: other `Settings` fields
     (max_upload_bytes, max_duration_s, idle_timeout_s, max_message_bytes, cors_origins ...)."""
-    import uvicorn
-
     from enhancer.errors import CheckpointError
     from enhancer.runtime import default_model_path
+
+    from .serving import serve
 
     path = Path(model) if model is not None else default_model_path()
     if not path.is_file():
@@ -51,6 +38,4 @@ def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "au
         raise CheckpointError(f"model file not found: {path}{hint}")
     settings = Settings.build(model=path, device=device, workers=workers, max_streams=max_streams, api_key=api_key,
                               **limits)
-    app = create_app(settings)
-    app.state.scheduler.start()  # model or device problems surface here as plain errors
-    uvicorn.Server(uvicorn_config(app, settings, host, port)).run()
+    serve(create_app(settings), settings, host, port)

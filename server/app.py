@@ -4,17 +4,20 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse, Response
-from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import enhancer
 
 from . import rest, ws
+from .auth import QUERY, ApiKeyMiddleware
 from .errors import ServiceError
 from .metrics import Metrics
 from .scheduler import Scheduler
@@ -48,9 +51,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await run_in_threadpool(scheduler.stop)
 
-    app = FastAPI(title="tim-enhancer", version=enhancer.__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="tim-enhancer", version=enhancer.__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     app.state.settings, app.state.metrics, app.state.scheduler = settings, metrics, scheduler
     app.state.sessions = set()  # open websocket streams (StreamSession)
+    app.state.draining = False  # set on shutdown: streams finish, new ones are refused
+    # middleware: the last added runs first. Metrics see every answer; CORS answers preflights and
+    # decorates errors; the API key is checked before any route runs.
+    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key"],
@@ -79,6 +87,13 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         return await service_error(request, ServiceError("invalid_parameter", "; ".join(parts) or "invalid request"))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "bad_request")
+        message = {"not_found": f"no route {request.url.path}", "method_not_allowed":
+                   f"{request.method} is not allowed on {request.url.path}"}.get(kind, "malformed request")
+        return await service_error(request, ServiceError(kind, message))
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("request failed")
@@ -94,12 +109,14 @@ def _add_operations(app: FastAPI, metrics: Metrics) -> None:
              responses={503: {"description": "Not ready (model loading or a worker stopped)"}})
     async def readyz(request: Request):
         scheduler = request.app.state.scheduler
+        if request.app.state.draining:
+            return JSONResponse({"ready": False, "draining": True}, status_code=503)
         if not scheduler.ready:
             return JSONResponse({"ready": False}, status_code=503)
         enh = scheduler.enhancer
         cfg = enh.config
         return {
-            "ready": True, "model": cfg.name, "model_path": str(enh.engine.path), "provider": enh.provider,
+            "ready": True, "model": cfg.name, "model_file": enh.engine.path.name, "provider": enh.provider,
             "parameters": enh.engine.parameters, "workers": len(scheduler.workers),
             "sample_rate": cfg.stft.sample_rate, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "latency_ms": cfg.algorithmic_latency_ms, "active_streams": scheduler.streams,
@@ -113,11 +130,29 @@ def _add_operations(app: FastAPI, metrics: Metrics) -> None:
 
 
 def _add_demo(app: FastAPI) -> None:
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    """The demo page and its assets: a fixed list of this package's files, looked up by name (no
+    path from the client reaches the filesystem)."""
+    assets = {p.name: p for p in STATIC.iterdir() if p.is_file() and p.name != "index.html"}
 
     @app.get("/", include_in_schema=False)
     async def demo() -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str) -> FileResponse:
+        path = assets.get(name)
+        if path is None:
+            raise ServiceError("not_found", "no such file")
+        return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request):
+        """Swagger UI; with ?api_key= (checked by the middleware) it fetches the schema with it."""
+        url = app.openapi_url
+        key = request.query_params.get(QUERY)
+        if key and request.app.state.settings.api_key:
+            url += "?" + urlencode({QUERY: key})
+        return get_swagger_ui_html(openapi_url=url, title="tim-enhancer API")
 
 
 class RestMetricsMiddleware:

@@ -16,8 +16,12 @@ KINDS: dict[str, tuple[int, int]] = {
     "unsupported_media": (415, 1003),  # not audio we can read, text where audio belongs, unknown encoding
     "invalid_audio": (422, 1007),  # truncated, absurd rate, NaN/Inf, wrong channel count ...
     "invalid_parameter": (422, 1007),  # atten_lim_db, format, sample_rate, channels ...
+    "not_found": (404, 1008),  # no such route or file
+    "method_not_allowed": (405, 1008),
     "idle_timeout": (408, 1008),  # no message within the idle timeout
     "over_capacity": (503, 1013),  # all streams / jobs / lanes busy
+    "shutting_down": (503, 1012),  # the server is draining for a restart: reconnect
+    "client_closed": (499, 1001),  # the client went away mid-request (nobody sees the answer)
     "internal": (500, 1011),  # a bug or a failed inference step
 }
 

@@ -25,6 +25,8 @@ class Metrics:
         self.errors = Counter("tim_errors", "Errors reported to clients, by kind", ["kind"], registry=r)
         self.rest_requests = Counter("tim_rest_requests", "POST /v1/enhance requests, by status", ["status"], registry=r)
         self.rest_seconds = Histogram("tim_rest_request_seconds", "POST /v1/enhance duration", registry=r)
+        self.stalled = Counter("tim_stalled_connections", "Connections dropped because the client read nothing for "
+                               "idle_timeout_s while output waited", registry=r)
         self.stream_seconds = Counter("tim_stream_audio_seconds", "Audio received on websocket streams", registry=r)
         for kind in KINDS:
             self.errors.labels(kind=kind)

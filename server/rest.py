@@ -6,6 +6,7 @@ stays bounded whatever the file's length.
 """
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import time
 from typing import Literal
@@ -17,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .audio_io import FORMATS, AudioReader, AudioWriter, output_format
 from .auth import require_api_key
+from .aio import timeout as _timeout
 from .errors import ServiceError
 
 SPOOL_BYTES = 8 * 1024 * 1024  # in memory up to this size, then a temporary file
@@ -84,8 +86,10 @@ async def enhance(
     """Decodes any format libsndfile reads (WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF ...), at any sample
     rate and channel count, and returns the enhanced audio in the same container (or `format`)."""
     settings = request.app.state.settings
+    if request.app.state.draining:
+        raise ServiceError("shutting_down", "the server is shutting down; retry on another instance or later")
     t0 = time.perf_counter()
-    upload, form = await _receive(request, settings.max_upload_bytes)
+    upload, form = await _receive(request, settings.max_upload_bytes, settings.idle_timeout_s)
     try:
         if form is not None:
             atten_lim_db = _form_number(form, "atten_lim_db", atten_lim_db)
@@ -133,8 +137,10 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
     return out_file, writer, reader
 
 
-async def _receive(request: Request, limit: int):
-    """The upload as a spooled file, and the multipart form if the body is one."""
+async def _receive(request: Request, limit: int, idle_s: float):
+    """The upload as a spooled file, and the multipart form if the body is one. The byte limit is
+    checked against Content-Length before anything is read and against the bytes while reading;
+    a client that sends nothing for `idle_s` gets 408."""
     ctype = request.headers.get("content-type", "application/octet-stream").split(";")[0].strip().lower()
     if not ctype.startswith(ACCEPTED_TYPES):
         raise ServiceError("unsupported_media", f"Content-Type {ctype!r} is not audio; send the file with an audio/* "
@@ -142,15 +148,29 @@ async def _receive(request: Request, limit: int):
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ServiceError("too_large", f"the upload is {int(length)} bytes; the limit is {limit} bytes")
+    received = 0
+
+    async def receive():
+        """request.receive with the idle timeout and the byte limit."""
+        nonlocal received
+        try:
+            async with _timeout(idle_s):
+                message = await request.receive()
+        except (asyncio.TimeoutError, TimeoutError):
+            raise ServiceError("idle_timeout", f"no upload data for {idle_s:g} s; closing the request") from None
+        if message["type"] == "http.disconnect":
+            raise ServiceError("client_closed", "the client closed the connection during the upload")
+        received += len(message.get("body", b""))
+        if received > limit:
+            raise ServiceError("too_large", f"the upload is over the limit of {limit} bytes")
+        return message
+
+    body = Request(request.scope, receive)
     if ctype == "multipart/form-data":
-        return await _receive_form(request, limit)
+        return await _receive_form(body)
     spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
-    n = 0
     try:
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise ServiceError("too_large", f"the upload is over the limit of {limit} bytes")
+        async for chunk in body.stream():
             spool.write(chunk)
     except BaseException:
         spool.close()
@@ -158,28 +178,18 @@ async def _receive(request: Request, limit: int):
     return spool, None
 
 
-async def _receive_form(request: Request, limit: int):
-    received = 0
-
-    async def limited_receive():
-        nonlocal received
-        message = await request.receive()
-        received += len(message.get("body", b""))
-        if received > limit:
-            raise ServiceError("too_large", f"the upload is over the limit of {limit} bytes")
-        return message
-
+async def _receive_form(body: Request):
     try:
-        form = await Request(request.scope, limited_receive).form(max_files=1, max_fields=8)
+        form = await body.form(max_files=1, max_fields=8)
     except ServiceError:
         raise
     except Exception as e:  # noqa: BLE001 - starlette's multipart errors
         raise ServiceError("bad_request", f"malformed multipart body ({e})") from None
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
+        await form.close()
         raise ServiceError("bad_request", "the multipart body needs the audio file in a field named 'file'")
-    spool = upload.file
-    return spool, form
+    return upload.file, form
 
 
 def _form_number(form, name: str, default: float | None) -> float | None:

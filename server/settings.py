@@ -36,6 +36,7 @@ class Settings:
     max_stream_s: float = 4 * 3600.0  # audio one websocket stream may send (1008 beyond)
     idle_timeout_s: float = 30.0  # no message for this long closes the stream (1008)
     max_buffered_s: float = 2.0  # audio accepted ahead of inference before reading pauses
+    drain_timeout_s: float = 10.0  # on SIGTERM: longest wait for streams' tails, then for REST requests
 
     @classmethod
     def build(cls, **kwargs) -> "Settings":
@@ -70,7 +71,8 @@ class Settings:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.max_channels > 64:
             raise ValueError(f"max_channels must be <= 64, got {self.max_channels}")
-        for name in ("max_duration_s", "rest_chunk_s", "max_stream_s", "idle_timeout_s", "max_buffered_s"):
+        for name in ("max_duration_s", "rest_chunk_s", "max_stream_s", "idle_timeout_s", "max_buffered_s",
+                     "drain_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")

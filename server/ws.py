@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 
@@ -25,7 +24,7 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from .audio_io import ENCODINGS, decode_pcm, encode_pcm
-from .auth import HEADER, QUERY, check_key
+from .aio import timeout as _timeout
 from .errors import ServiceError
 from .scheduler import Delivery, Job
 
@@ -40,15 +39,23 @@ class _Closed(Exception):
     """The client went away."""
 
 
+class _Drain(Exception):
+    """The server is shutting down: stop reading, send the tail."""
+
+
 @router.websocket("/v1/stream")
 async def stream(ws: WebSocket) -> None:
     await ws.accept()
     session = StreamSession(ws)
     ws.app.state.sessions.add(session)
     try:
+        if ws.app.state.draining:
+            raise _Drain()
         await session.run()
     except ServiceError as e:
         await session.fail(e)
+    except _Drain:
+        await session.fail(ServiceError("shutting_down", "the server is shutting down; reconnect"))
     except _Closed:
         pass
     except Exception:  # noqa: BLE001 - a bug: report it as internal and keep serving
@@ -57,6 +64,25 @@ async def stream(ws: WebSocket) -> None:
     finally:
         session.cleanup()
         ws.app.state.sessions.discard(session)
+        session.finished.set()
+
+
+async def drain(app, timeout: float) -> None:
+    """Shutdown: every open stream stops reading and gets the tail of the audio it sent (the
+    writer then sends {"type": "end", "samples": n, "reason": "shutdown"} and closes with 1012).
+    Returns when all have finished, or after `timeout` seconds."""
+    app.state.draining = True
+    sessions = list(app.state.sessions)
+    if not sessions:
+        return
+    log.info("draining %d stream(s)", len(sessions))
+    for s in sessions:
+        s.drain()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(s.finished.wait() for s in sessions)), timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        left = sum(not s.finished.is_set() for s in sessions)
+        log.warning("%d stream(s) did not finish within %g s; closing them", left, timeout)
 
 
 class StreamSession:
@@ -72,11 +98,13 @@ class StreamSession:
         self.drained = asyncio.Event()
         self.samples_in = 0
         self.samples_out = 0
+        self.draining = False
+        self.finished = asyncio.Event()
+        self._deadline = None  # the idle timer of the receive in progress
 
     # ------------------------------------------------------------------ reading
     async def run(self) -> None:
         s = self.settings
-        check_key(s.api_key, self.ws.headers.get(HEADER) or self.ws.query_params.get(QUERY))
         first = await self._receive()
         if "text" in first:
             params = self._start_params(first["text"])
@@ -93,26 +121,42 @@ class StreamSession:
         await self._send_json(self._ready_message(params))
         self.writer = asyncio.create_task(self._write())
         message = first
-        while True:
-            if message is None:
-                message = await self._receive()
-            if "bytes" in message and message["bytes"] is not None:
-                await self._audio(message["bytes"])
-            elif self._control(message.get("text")):
-                break
-            message = None
+        try:
+            while True:
+                if message is None:
+                    message = await self._receive()
+                if "bytes" in message and message["bytes"] is not None:
+                    await self._audio(message["bytes"])
+                elif self._control(message.get("text")):
+                    break
+                message = None
+        except _Drain:
+            pass  # shutting down: the tail of what was received, then close 1012
         self.job.end()
         await self.writer
 
+    def drain(self) -> None:
+        """Stop reading at the next message boundary (wakes a receive that is waiting)."""
+        self.draining = True
+        if self._deadline is not None:
+            self._deadline.reschedule(asyncio.get_running_loop().time())
+
     async def _receive(self) -> dict:
+        if self.draining:
+            raise _Drain()
         try:
-            async with _timeout(self.settings.idle_timeout_s):  # a timer, not a task, per message
+            async with _timeout(self.settings.idle_timeout_s) as deadline:  # a timer, not a task, per message
+                self._deadline = deadline
                 message = await self.ws.receive()
         except (asyncio.TimeoutError, TimeoutError):
+            if self.draining:
+                raise _Drain() from None
             raise ServiceError("idle_timeout", f"no message for {self.settings.idle_timeout_s:g} s; "
                                "closing the stream") from None
         except (WebSocketDisconnect, RuntimeError):
             raise _Closed() from None
+        finally:
+            self._deadline = None
         if message["type"] == "websocket.disconnect":
             raise _Closed()
         data = message.get("bytes")
@@ -205,8 +249,12 @@ class StreamSession:
             if d.frames:
                 await self._send_json(self._metadata_message(d.frames))
             if d.final:
-                await self._send_json({"type": "end", "samples": self.samples_out})
-                await self._close(1000)
+                if self.draining:
+                    await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown"})
+                    await self._close(1012, "server shutting down")
+                else:
+                    await self._send_json({"type": "end", "samples": self.samples_out})
+                    await self._close(1000)
                 return
 
     def _acknowledge(self, acked: int) -> None:
@@ -271,23 +319,6 @@ class StreamSession:
             self.writer.cancel()
         if self.job is not None:
             self.job.close()
-
-
-if hasattr(asyncio, "timeout"):  # Python >= 3.11
-    _timeout = asyncio.timeout
-else:  # pragma: no cover - Python 3.10
-    @contextlib.asynccontextmanager
-    async def _timeout(delay: float):
-        task = asyncio.current_task()
-        handle = asyncio.get_running_loop().call_later(delay, task.cancel)
-        try:
-            yield
-        except asyncio.CancelledError:
-            if handle.cancelled() or handle.when() > asyncio.get_running_loop().time():
-                raise
-            raise asyncio.TimeoutError() from None
-        finally:
-            handle.cancel()
 
 
 def _parse_json(text: str):

@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 import server
 from server.settings import Settings
@@ -24,7 +23,8 @@ class LiveServer:
         self.port = sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/stream"
-        self.server = uvicorn.Server(server.uvicorn_config(self.app, self.settings, port=self.port, log_level="warning"))
+        self.server = server.Server(server.uvicorn_config(self.app, self.settings, port=self.port, log_level="warning"),
+                                    self.app)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.time() + 60

@@ -1,0 +1,95 @@
+"""Running the app under uvicorn: start-up errors in plain words, protocols that drop stalled
+clients, and a graceful drain of live streams on SIGTERM / SIGINT.
+
+Shutdown order (`Server.shutdown`): stop accepting connections -> every open stream stops reading,
+gets the enhanced tail of all the audio it sent, `{"type": "end", "samples": n, "reason":
+"shutdown"}` and close 1012 (at most `drain_timeout_s`) -> uvicorn closes what is left and waits
+for REST requests in flight (again at most `drain_timeout_s`) -> the inference workers stop.
+"""
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+
+from enhancer.errors import EnhancerError
+
+from .settings import Settings
+
+
+class StartupError(EnhancerError, RuntimeError):
+    """The service cannot start (device unavailable, address in use ...); `enhancer serve` prints
+    the message and exits non-zero."""
+
+
+def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> uvicorn.Config:
+    """uvicorn settings that match the service's limits. Websocket messages are checked by the
+    handler (JSON error, then 1009); uvicorn's own frame cap sits a little above the limit and
+    refuses bigger frames from their header, before their payload is read."""
+    from .logs import log_config
+    from .protocols import protocol_classes
+
+    metrics = getattr(getattr(app, "state", None), "metrics", None)
+    on_stall = metrics.stalled.inc if metrics is not None else None
+    # per-message deflate is off: PCM barely compresses, and it cost ~10 % of the CPU of 32 streams
+    options = dict(host=host, port=port, ws_max_size=settings.max_message_bytes + 65536,
+                   log_level="info", ws_per_message_deflate=False, log_config=log_config(),
+                   timeout_graceful_shutdown=settings.drain_timeout_s, proxy_headers=False, server_header=False,
+                   **protocol_classes(settings.idle_timeout_s, on_stall))
+    return uvicorn.Config(app, **(options | kwargs))
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server that drains the app's live streams before uvicorn closes their connections."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self.app = app
+
+    async def shutdown(self, sockets=None) -> None:
+        from .ws import drain
+
+        for server in self.servers:  # no new connections while the streams drain
+            server.close()
+        await drain(self.app, self.app.state.settings.drain_timeout_s)
+        await super().shutdown(sockets)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket for uvicorn, or StartupError saying why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app, settings: Settings, host: str, port: int) -> None:
+    """Start the inference workers, bind, serve until SIGTERM / SIGINT, drain, stop."""
+    scheduler = app.state.scheduler
+    try:
+        scheduler.start()  # model or device problems surface here as plain errors
+    except EnhancerError:
+        raise
+    except RuntimeError as e:
+        raise StartupError(str(e)) from None
+    try:
+        sock = listen(host, port)
+    except StartupError:
+        scheduler.stop()
+        raise
+    try:
+        Server(uvicorn_config(app, settings, host, port), app).run(sockets=[sock])
+    finally:
+        sock.close()
