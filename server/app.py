@@ -90,8 +90,8 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "bad_request")
-        message = {"not_found": f"no route {request.url.path}", "method_not_allowed":
-                   f"{request.method} is not allowed on {request.url.path}"}.get(kind, "malformed request")
+        message = {"not_found": "no such route", "method_not_allowed": f"{request.method} is not allowed here"
+                   }.get(kind, "malformed request")
         return await service_error(request, ServiceError(kind, message))
 
     @app.exception_handler(Exception)
