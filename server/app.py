@@ -74,9 +74,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ServiceError)
-    async def service_error(request: Request, e: ServiceError):
+    async def service_error(request: Request, e: ServiceError, headers: dict | None = None):
         metrics.errors.labels(kind=e.kind).inc()
-        headers = {"Retry-After": "1"} if e.kind == "over_capacity" else None
+        if e.kind in ("over_capacity", "shutting_down"):
+            headers = (headers or {}) | {"Retry-After": "1"}
         return JSONResponse(e.rest_body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -92,7 +93,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "bad_request")
         message = {"not_found": "no such route", "method_not_allowed": f"{request.method} is not allowed here"
                    }.get(kind, "malformed request")
-        return await service_error(request, ServiceError(kind, message))
+        return await service_error(request, ServiceError(kind, message), headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):

@@ -188,6 +188,9 @@ async def _receive_form(body: Request):
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
         await form.close()
+        if isinstance(upload, str):
+            raise ServiceError("bad_request", "the multipart field 'file' must be a file part (its "
+                               "Content-Disposition needs a filename), not a plain form value")
         raise ServiceError("bad_request", "the multipart body needs the audio file in a field named 'file'")
     return upload.file, form
 
