@@ -223,18 +223,28 @@ def fuzz_sessions(base: str, n: int, stats: Stats, seed: int | None = None) -> N
     _alive(base)
 
 
-def run_schemathesis(base: str, seconds: float, out: Path | None = None) -> int:
+def run_schemathesis(base: str, seconds: float | None = None, out: Path | None = None, max_examples: int | None = None,
+                     seed: int | None = None) -> int:
     """schemathesis against the live OpenAPI description, every check but positive_data_acceptance
-    (a schema cannot say "a decodable audio file": schema-valid random bytes are rightly 415)."""
+    (a schema cannot say "a decodable audio file": schema-valid random bytes are rightly 415).
+    Bounded by `seconds` or by `max_examples` per operation. Returns its exit code."""
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{base}/openapi.json", "--checks", "all",
-           "--exclude-checks", "positive_data_acceptance", "--max-time", str(int(seconds)), "--workers", "1",
-           "--suppress-health-check", "all"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300, cwd=ROOT)
+           "--exclude-checks", "positive_data_acceptance", "--workers", "1", "--suppress-health-check", "all",
+           "--request-timeout", "30"]
+    if seconds:
+        cmd += ["--max-time", str(int(seconds))]
+    if max_examples:
+        cmd += ["--max-examples", str(max_examples)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=(seconds or 600) + 300, cwd=ROOT)
     text = r.stdout + r.stderr
     if out is not None:
         out.write_text(text)
-    tail = [ln for ln in text.splitlines() if "generated" in ln or "passed" in ln or "failures" in ln]
-    print("schemathesis:", "; ".join(tail[-3:]) or text[-500:], flush=True)
+    tail = [ln.strip() for ln in text.splitlines() if "generated" in ln or " in " in ln and "=====" in ln]
+    print("schemathesis:", "; ".join(tail[-2:]) or text[-500:], flush=True)
+    if r.returncode:
+        print(text[-6000:], flush=True)
     return r.returncode
 
 

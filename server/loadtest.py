@@ -137,6 +137,7 @@ class Client:
         self.index, self.audio, self.rate, self.chunk, self.offset = index, audio, rate, chunk, offset
         self.sent_times: list[float] = []  # send time of chunk k (covers samples [k*chunk, (k+1)*chunk))
         self.latencies: list[float] = []
+        self.arrivals: list[float] = []  # perf_counter time of each latency sample
         self.samples_out = 0
         self.error: str | None = None
         self.delay_samples = 0
@@ -186,6 +187,7 @@ class Client:
             k = first // self.chunk
             if k < len(self.sent_times):
                 self.latencies.append(now - self.sent_times[k])
+                self.arrivals.append(now)
 
 
 async def run_clients(url: str, audio: np.ndarray, rate: int, args) -> list[Client]:
