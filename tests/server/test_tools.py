@@ -1,0 +1,37 @@
+"""The reliability tools themselves: a short soak against the live server writes consistent
+figures, a table and a plot; the audit covers the serving closure and nothing else."""
+from __future__ import annotations
+
+import json
+import os
+
+import soundfile as sf
+
+from server import audit, soak
+from tests.conftest import speechlike
+
+
+def test_short_soak_writes_figures_table_and_plot(live, tmp_path):
+    wav = tmp_path / "speech.wav"
+    sf.write(wav, speechlike(16000 * 3, 16000, seed=70), 16000, subtype="PCM_16")
+    out = tmp_path / "soak"
+    soak.main(["--streams", "2", "--minutes", "0.1", "--cycles", "40", "--sample-s", "0.5", "--file", str(wav),
+               "--url", live.ws_url, "--server-pid", str(os.getpid()), "--out", str(out)])
+    r = json.loads((out / "soak.json").read_text())
+    expected = 2 * 6.0 / 0.02  # streams x seconds / chunk: one output message per chunk or more
+    assert r["messages"] >= 0.8 * expected and r["complete"] and not r["client_errors"], {k: r[k] for k in (
+        "messages", "complete", "client_errors")}
+    assert r["late"] == sum(w["late"] for w in r["windows"])
+    assert len(r["samples"]) >= 8 and all(s["rss_mb"] > 0 and s["fds"] > 0 for s in r["samples"])
+    assert r["rss"]["base_mb"] > 0 and r["rss"]["growth_pct"] is not None
+    assert r["cycles"]["cycles"] == 40 and r["cycles"]["fd_growth"] <= 2
+    table = (out / "soak.md").read_text()
+    assert "late messages" in table and "connect/disconnect cycles" in table
+    assert (out / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    live.wait_idle()
+
+
+def test_audit_closure_is_the_serving_stack():
+    packages = audit.closure()
+    assert {"fastapi", "uvicorn", "starlette", "onnxruntime", "numpy", "soundfile", "websockets"} <= set(packages)
+    assert not {"torch", "hypothesis", "schemathesis", "matplotlib", "pytest"} & set(packages)
