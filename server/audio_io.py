@@ -25,6 +25,10 @@ EXTENSIONS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "W64": "w64", "FLAC":
 MP3_SLACK = 2 * 1152  # MP3 frame counts from headers may be estimates: tolerate two MPEG frames
 
 ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
+# Encoder limits libsndfile does not check itself: above 200 kHz its Vorbis encoder crashes the
+# process when the file is closed (found by fuzzing: one request took the server down).
+VORBIS_MAX_RATE = 200_000
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
 
 # ---------------------------------------------------------------------------------- files in
@@ -153,10 +157,21 @@ def output_format(requested: str | None, info: AudioInfo) -> tuple[str, str]:
     return fmt, subtype
 
 
+def check_encodable(fmt: str, subtype: str, sample_rate: int) -> None:
+    """ServiceError unless libsndfile can safely write `subtype` at `sample_rate`."""
+    if subtype == "VORBIS" and sample_rate > VORBIS_MAX_RATE:
+        raise ServiceError("invalid_parameter", f"OGG/Vorbis cannot encode {sample_rate} Hz (at most "
+                           f"{VORBIS_MAX_RATE} Hz); ask for format=wav or format=flac")
+    if subtype == "OPUS" and sample_rate not in OPUS_RATES:
+        raise ServiceError("invalid_parameter", f"OGG/Opus cannot encode {sample_rate} Hz (only "
+                           f"{', '.join(map(str, OPUS_RATES))}); ask for format=wav or format=flac")
+
+
 class AudioWriter:
     """Encodes the enhanced blocks into a file object."""
 
     def __init__(self, fileobj, fmt: str, subtype: str, sample_rate: int, channels: int):
+        check_encodable(fmt, subtype, sample_rate)
         try:
             self.sf = sf.SoundFile(fileobj, "w", samplerate=sample_rate, channels=channels, format=fmt, subtype=subtype)
         except (sf.LibsndfileError, RuntimeError, ValueError) as e:

@@ -125,12 +125,12 @@ def test_stalled_reader_is_bounded_and_dropped(live_fault, enhancer_rt):
 
 
 def test_faster_than_real_time_sender(live_fault, enhancer_rt):
-    """One client pushes 20 s of audio as fast as it can while three others stream at real-time
+    """One client pushes 10 s of audio as fast as it can while three others stream at real-time
     pace: the fast one is held to `max_buffered_s` of queued input and gets all of its output;
     the paced ones get theirs, exact, with no stall longer than a few hops."""
     srv = live_fault
     sr = 16000
-    fast_x = speechlike(20 * sr, sr, seed=30)[:, None]
+    fast_x = speechlike(10 * sr, sr, seed=30)[:, None]
     paced = [speechlike(2 * sr, sr, seed=31 + i)[:, None] for i in range(3)]
     peak = {"buffered": 0}
     stop = threading.Event()

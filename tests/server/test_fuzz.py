@@ -3,6 +3,8 @@ regression tests for what fuzzing found."""
 from __future__ import annotations
 
 
+import httpx
+
 from server.fuzz import Stats, fuzz_sessions, fuzz_uploads, run_schemathesis
 
 
@@ -51,3 +53,47 @@ def test_file_field_without_filename_is_named_as_such(http):
     body = (b'--b\r\nContent-Disposition: form-data; name="file"\r\n\r\nRIFF....\r\n--b--\r\n')
     r = http.post("/v1/enhance", content=body, headers={"Content-Type": "multipart/form-data; boundary=b"})
     assert r.status_code == 400 and "filename" in r.json()["error"]["message"], r.text
+
+
+def test_vorbis_above_200_khz_is_refused_not_a_crash(tmp_path, model_path):
+    """fuzz: writing OGG/Vorbis above 200 kHz segfaults libsndfile when the file is closed. One
+    upload (a 384 kHz WAV with format=ogg, or an OGG whose header says 384 kHz) took the whole
+    server down. Now 422 with advice; the server (in its own process here) stays up."""
+    import io
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import numpy as np
+    import soundfile as sf
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen([sys.executable, "-c", f"import server; server.run(port={port}, model={str(model_path)!r}, "
+                             "device='cpu')"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        for rate, fmt in ((384000, "ogg"), (200001, "ogg")):
+            b = io.BytesIO()
+            sf.write(b, np.zeros((rate // 100, 1), np.float32), rate, format="WAV")
+            r = httpx.post(base + f"/v1/enhance?format={fmt}", content=b.getvalue(),
+                           headers={"Content-Type": "audio/wav"}, timeout=30)
+            assert r.status_code == 422 and "format=wav" in r.json()["error"]["message"], r.text
+        b = io.BytesIO()
+        sf.write(b, np.zeros((2000, 1), np.float32), 200000, format="WAV")
+        r = httpx.post(base + "/v1/enhance?format=ogg", content=b.getvalue(), headers={"Content-Type": "audio/wav"},
+                       timeout=30)
+        assert r.status_code == 200 and sf.info(io.BytesIO(r.content)).samplerate == 200000
+        assert httpx.get(base + "/healthz", timeout=5).status_code == 200 and proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
