@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -30,7 +28,7 @@ import soundfile as sf
 
 from .errors import KINDS
 from .fuzz_cases import SessionCase, UploadCase, encode_upload, sessions, uploads
-from .rawws import OP_BINARY, OP_CLOSE, OP_PING, OP_TEXT, RawClient
+from .rawws import OP_BINARY, OP_PING, OP_TEXT, RawClient
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERNALS = ("Traceback", 'File "', ".py\"", "site-packages", " object at 0x")
@@ -248,29 +246,6 @@ def run_schemathesis(base: str, seconds: float | None = None, out: Path | None =
     return r.returncode
 
 
-def start_server(model: Path, limits: dict, api_key: str | None = None) -> tuple[subprocess.Popen, str]:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    code = (f"import server; server.run(host='127.0.0.1', port={port}, model={str(model)!r}, device='cpu', "
-            f"api_key={api_key!r}, **{limits!r})")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready in 120 s")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m server.fuzz", description=__doc__.split("\n")[0])
     p.add_argument("--uploads", type=int, default=1000, help="fuzzed REST uploads")
@@ -286,7 +261,10 @@ def main(argv=None) -> int:
     if base is None:
         from .loadtest import model_path
 
-        proc, base = start_server(model_path(args.model), LIMITS)
+        from .launch import start
+
+        proc = start(model_path(args.model), device="cpu", **LIMITS)
+        base = proc.base
     elif not base.startswith(("http://127.0.0.1", "http://localhost")):
         raise SystemExit("--url must be a loopback server")
     stats = Stats()
@@ -312,12 +290,11 @@ def main(argv=None) -> int:
                                     "seconds": round(time.time() - t0, 1)}
     finally:
         if proc is not None:
-            alive = proc.poll() is None
-            proc.terminate()
-            proc.wait(timeout=30)
+            alive = proc.alive()
+            proc.stop()
             result["server_crashed"] = not alive
             if not alive:
-                print("the server process died:", proc.stderr.read().decode()[-2000:])
+                print(f"the server process died ({proc.proc.returncode}):", proc.log_tail())
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -74,28 +73,12 @@ def load_audio(path: str | None, rate: int | None) -> tuple[np.ndarray, int]:
     return np.clip(np.round(x * 32768), -32768, 32767).astype("<i2"), sr
 
 
-def start_server(model: Path, streams: int, workers: int, threads: int) -> tuple[subprocess.Popen, str]:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    code = (f"import server; server.run(host='127.0.0.1', port={port}, model={str(model)!r}, device='cpu', "
-            f"workers={workers}, max_streams={max(streams, 1)}, threads={threads})")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    import httpx
+def start_server(model: Path, streams: int, workers: int, threads: int):
+    """A server process on a free loopback port: (launch.ServerProcess, websocket URL)."""
+    from .launch import start
 
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc, f"ws://127.0.0.1:{port}/v1/stream"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not become ready in 120 s")
+    srv = start(model, device="cpu", workers=workers, max_streams=max(streams, 1), threads=threads)
+    return srv, srv.ws_url
 
 
 # ---------------------------------------------------------------------------------- process stats
@@ -288,8 +271,7 @@ def main(argv=None) -> int:
         result = asyncio.run(measure(url, audio, rate, args, pid))
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=15)
+            proc.stop()
     if args.json:
         print(json.dumps(result))
     else:

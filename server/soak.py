@@ -248,8 +248,7 @@ def main(argv=None) -> int:
         cyc = cycles(host, int(port), args.cycles, pid) if args.cycles else None
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+            proc.stop()
     result = summarize(run, cyc, args, budget)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -283,6 +283,29 @@ def test_upload_client_disconnects_midway(live_fault, enhancer_rt):
     assert_serves(srv, enhancer_rt)
 
 
+def test_download_never_read_is_dropped(live_fault):
+    """A REST client that uploads and then never reads the (large) answer: once nothing has
+    drained for `idle_timeout_s` the connection is dropped (no connection or spooled file kept)."""
+    import io
+
+    srv = live_fault
+    stalled0 = srv.metrics.stalled._value.get()
+    b = io.BytesIO()
+    sf.write(b, np.zeros((96000 * 12, 2), np.float32), 96000, format="FLAC", subtype="PCM_24")  # silence: tiny
+    body = b.getvalue()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", srv.port))
+    s.sendall(b"POST /v1/enhance?format=wav HTTP/1.1\r\nHost: x\r\nContent-Type: audio/flac\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # 4.6 MB of WAV to come back
+    try:
+        assert wait_until(lambda: srv.metrics.stalled._value.get() > stalled0, 60), "the stalled download was kept"
+        assert wait_until(lambda: not srv.server.server_state.connections, 5)
+        assert srv.scheduler.rest_jobs == 0
+    finally:
+        s.close()
+
+
 # ---------------------------------------------------------------------------------- inference faults
 def _lanes_of(srv, job_id: int) -> set[int]:
     for w in srv.scheduler.workers:
