@@ -25,10 +25,25 @@ EXTENSIONS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "W64": "w64", "FLAC":
 MP3_SLACK = 2 * 1152  # MP3 frame counts from headers may be estimates: tolerate two MPEG frames
 
 ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
+# Float audio is expected near +-1 (full scale). Finite samples far beyond it still break the
+# model: from about 1e17 its output overflows to NaN/Inf (found by fuzzing). Refuse them.
+MAX_ABS_SAMPLE = 1e6
 # Encoder limits libsndfile does not check itself: above 200 kHz its Vorbis encoder crashes the
 # process when the file is closed (found by fuzzing: one request took the server down).
 VORBIS_MAX_RATE = 200_000
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+
+
+def check_samples(x: np.ndarray, what: str = "the audio") -> None:
+    """ServiceError (invalid_audio) for NaN/Inf samples or values beyond +-MAX_ABS_SAMPLE."""
+    if not x.size:
+        return
+    if not np.isfinite(x).all():
+        raise ServiceError("invalid_audio", f"{what} contains NaN or Inf samples")
+    peak = float(np.abs(x).max())
+    if peak > MAX_ABS_SAMPLE:
+        raise ServiceError("invalid_audio", f"{what} has sample values up to {peak:.3g}; float samples must lie "
+                           f"within +-{MAX_ABS_SAMPLE:g} (full scale is +-1)")
 
 
 # ---------------------------------------------------------------------------------- files in
@@ -113,6 +128,7 @@ class AudioReader:
         if x.shape[0] == 0:
             self._check_complete()
             return None
+        check_samples(x)
         self.read_frames += x.shape[0]
         if self.read_frames > self.max_frames:
             raise ServiceError("too_long", f"the audio is longer than the limit of {self.max_frames / self.info.sample_rate:g} s")
@@ -222,8 +238,7 @@ def decode_pcm(data: bytes, encoding: str, channels: int) -> np.ndarray:
     if encoding == "pcm_s16le":
         return x.astype(np.float32) / 32768.0
     x = x.astype(np.float32)
-    if not np.isfinite(x).all():
-        raise ServiceError("invalid_audio", "audio contains NaN or Inf samples")
+    check_samples(x, "the audio")
     return x
 
 

@@ -11,6 +11,7 @@ import tempfile
 import time
 from typing import Literal
 
+import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -122,8 +123,8 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
             block = max(1, int(settings.rest_chunk_s * info.sample_rate))
             while (x := await run_in_threadpool(reader.read, block)) is not None:
                 y = await job.process(x)
-                await run_in_threadpool(writer.write, y)
-            writer.write(await job.finish())
+                await run_in_threadpool(writer.write, _finite(y))
+            writer.write(_finite(await job.finish()))
         finally:
             job.close()
         writer.close()
@@ -135,6 +136,13 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
     finally:
         reader.close()
     return out_file, writer, reader
+
+
+def _finite(y):
+    """Output guard: enhanced audio with NaN/Inf is never returned as a result."""
+    if not np.isfinite(y).all():
+        raise ServiceError("internal", "the enhancement produced invalid samples; nothing was returned")
+    return y
 
 
 async def _receive(request: Request, limit: int, idle_s: float):

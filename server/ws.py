@@ -243,6 +243,10 @@ class StreamSession:
                 await self.fail(d.error)
                 return
             self._acknowledge(d.acked)
+            if d.audio.shape[0] and not np.isfinite(d.audio).all():  # output guard: never send NaN/Inf
+                await self.fail(ServiceError("internal", "the enhancement produced invalid samples; the stream "
+                                             "was closed"))
+                return
             if d.audio.shape[0]:
                 self.samples_out += d.audio.shape[0]
                 await self._send_bytes(encode_pcm(d.audio, self.encoding))

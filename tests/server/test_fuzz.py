@@ -17,7 +17,7 @@ def test_fuzzed_uploads(live):
     valid audio enhanced completely."""
     stats, before = Stats(), internal(live)
     fuzz_uploads(live.base, 120, stats)
-    assert stats.uploads >= 120 and stats.clean_uploads >= 5 and 200 in stats.status, stats.summary()
+    assert stats.uploads >= 120 and stats.clean_uploads >= 2 and stats.status.get(200, 0) >= 20, stats.summary()
     assert len(stats.status) >= 4, stats.summary()  # errors of several kinds were exercised
     assert internal(live) == before
     live.wait_idle()
@@ -97,3 +97,41 @@ def test_vorbis_above_200_khz_is_refused_not_a_crash(tmp_path, model_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_huge_finite_samples_are_refused(http, live):
+    """fuzz: a float WAV whose bytes were shifted by one decoded to finite values near 1e38; the
+    model's output overflowed and a 200 carried NaN/Inf audio. Now such input is 422 / 1007 and
+    loud but sane float audio still goes through."""
+    import io
+    import json
+
+    import numpy as np
+    import soundfile as sf
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    x = np.full((4000, 1), 1e30, np.float32)
+    b = io.BytesIO()
+    sf.write(b, x, 16000, format="WAV", subtype="FLOAT")
+    r = http.post("/v1/enhance", content=b.getvalue(), headers={"Content-Type": "audio/wav"})
+    assert r.status_code == 422 and r.json()["error"]["kind"] == "invalid_audio", r.text
+    assert "sample values" in r.json()["error"]["message"]
+    b = io.BytesIO()
+    sf.write(b, 50 * np.random.default_rng(0).standard_normal((4000, 1)).astype(np.float32), 16000, format="WAV",
+             subtype="FLOAT")
+    r = http.post("/v1/enhance", content=b.getvalue(), headers={"Content-Type": "audio/wav"})
+    assert r.status_code == 200
+    y, _ = sf.read(io.BytesIO(r.content), dtype="float32")
+    assert np.isfinite(y).all()
+    with connect(live.ws_url) as ws:
+        ws.send(json.dumps({"sample_rate": 16000, "encoding": "f32le"}))
+        ws.recv(timeout=10)
+        ws.send(x.astype("<f4").tobytes())
+        msg = json.loads(ws.recv(timeout=10))
+        try:
+            while True:
+                ws.recv(timeout=10)
+        except ConnectionClosed:
+            pass
+    assert ws.close_code == 1007 and msg["kind"] == "invalid_audio"
