@@ -19,6 +19,8 @@ from enhancer.errors import EnhancerError
 
 from .evaluate import add_eval
 from .manifests import DataError
+from .devset import add_devset
+from .peers import add_bench_peers
 from .plots import add_plot
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fit(sub)
     add_eval(sub)
     add_plot(sub)
+    add_devset(sub)
+    add_bench_peers(sub)
     return parser
 
 

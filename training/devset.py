@@ -80,7 +80,7 @@ def add_devset(sub) -> None:
     p.add_argument("-n", type=int, default=150, help="number of mixtures")
     p.add_argument("--seed", type=int, default=DEV_SEED)
     p.add_argument("--real-pairs", default=str(SHARED_P287), help="folder with noisy/ and clean/ real pairs ('' for none)")
-    p.set_defaults(fn=cmd_devset)
+    p.set_defaults(func=cmd_devset)
 
 
 def cmd_devset(args) -> int:

@@ -99,8 +99,10 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def loss_fn(model: TIMNet, noisy_logmag, clean_logmag, gains, weight=None):
-    """MSE between estimated and clean log-magnitude; `weight` (B, T, F) masks bins/frames."""
+    """MSE between estimated and clean log-magnitude; `weight` (broadcastable to (B, T, F)) masks
+    bins/frames: the mean is over the weighted bins."""
     err = (model.estimate_logmag(noisy_logmag, gains) - clean_logmag) ** 2
     if weight is None:
         return err.mean()
+    weight = weight.expand_as(err)
     return (err * weight).sum() / weight.sum().clamp_min(1.0)

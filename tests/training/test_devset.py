@@ -30,3 +30,11 @@ def test_devset_is_reproducible_and_uses_validation_data(corpus, tmp_path):
             clean, _ = sf.read(a / "clean" / r[0])
             assert 1.0 <= len(clean) / 16000 <= 1.5
             assert abs(snr_db(clean, noisy - clean) - float(r[1])) < 0.5  # 16-bit rounding of both files
+
+
+def test_devset_command_reports_a_missing_corpus(tmp_path, capsys):
+    from training.cli import main
+
+    assert main(["devset", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "dev")]) == 2
+    assert "data folder not found" in capsys.readouterr().err
+    assert not (tmp_path / "dev").exists()
