@@ -52,6 +52,7 @@ def add_fit(sub) -> None:
     r.add_argument("--resume", nargs="?", const="auto", default="auto", metavar="CKPT",
                    help="resume from CKPT, or by default from the latest checkpoint in --out")
     r.add_argument("--no-resume", action="store_true", help="start fresh; refuses if --out already holds checkpoints")
+    p.add_argument("--init", metavar="CKPT", help="fine-tune: start a new run from the weights of CKPT (e.g. models/tim.pt)")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--patience", type=int, default=5, help="validations without improvement before the lr halves")
     p.add_argument("--clip-grad", type=float, default=5.0, help="max gradient norm")
@@ -122,7 +123,7 @@ def cmd_fit(args) -> int:
     data = training_data(args)  # checked before anything starts
     opts = FitOptions(
         out=args.out, config=model_config(args), batch_size=args.batch_size, mix=mix, max_steps=args.max_steps,
-        max_minutes=args.max_minutes, resume=False if args.no_resume else args.resume, lr=args.lr,
+        max_minutes=args.max_minutes, resume=False if args.no_resume else args.resume, init=args.init, lr=args.lr,
         patience=args.patience, clip_grad=args.clip_grad, valid_every=args.valid_every,
         valid_examples=args.valid_examples, valid_seconds=args.valid_seconds,
         checkpoint_minutes=args.checkpoint_minutes, keep_last=args.keep_last, log_every=args.log_every,

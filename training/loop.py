@@ -53,6 +53,7 @@ class FitOptions:
     max_steps: int | None = None
     max_minutes: float | None = None
     resume: bool | str = True  # True: the latest checkpoint in OUT if any; a path; False: refuse if OUT has one
+    init: str | None = None  # fine-tune: a fresh run starting from this checkpoint's weights (e.g. models/tim.pt)
     lr: float = 2e-4
     lr_factor: float = 0.5
     patience: int = 5  # validations without improvement before the learning rate halves
@@ -111,6 +112,12 @@ class Trainer:
             raise CheckpointError(f"{resume_path} holds no training state (not written by enhancer-train fit)")
 
         self.cfg = self._model_config(blob, resume_path)
+        init_model = None
+        if blob is None and o.init:  # fine-tuning: weights, config and feature statistics of the checkpoint
+            init_model = load_checkpoint(o.init)
+            if o.config is not None and o.config != init_model.config:
+                raise CheckpointError(f"--init {o.init}: its config ({init_model.config.name}) differs from --preset/--config")
+            self.cfg = init_model.config
         base = state["mix"] if state is not None else MixConfig().to_dict()
         self.mix = MixConfig.from_dict({**base, **o.mix})
         self.batch_size = o.batch_size or (state["batch_size"] if state is not None else 16)
@@ -146,6 +153,9 @@ class Trainer:
         torch.manual_seed(self.seed)
         if blob is not None:
             model = load_checkpoint(resume_path).train()
+        elif init_model is not None:
+            model = init_model.train()
+            self.log(f"starting from the weights of {o.init}")
         else:
             model = build_model(self.cfg).train()
             mean, std = feature_stats(Synthesizer(self.synth.speech.audio, self.synth.noise.audio,

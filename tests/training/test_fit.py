@@ -192,3 +192,21 @@ def test_max_minutes_stops_and_checkpoints(corpus, tiny_config, cache_dir, tmp_p
     assert "reached --max-minutes" in err
     steps = sorted(losses(out))
     assert 1 <= len(steps) < 100 and (out / "checkpoints" / f"step-{steps[-1]:08d}.pt").is_file()
+
+
+def test_init_fine_tunes_from_shipped_style_weights(corpus, tiny_config, cache_dir, tmp_path):
+    """--init starts a new run from a weights-only checkpoint (like models/tim.pt): its config and
+    feature statistics are kept and the first loss is the loss the base run had reached."""
+    base = tmp_path / "base"
+    assert main(fit_args(corpus, tiny_config, cache_dir, base, 30)) == 0
+    trained = load_checkpoint(base / "checkpoints" / "step-00000030.pt")
+    from enhancer import save_checkpoint
+
+    weights = save_checkpoint(trained, trained.config, tmp_path / "ship.pt", half=True)  # no training state
+    ft, fresh = tmp_path / "ft", tmp_path / "fresh"
+    assert main(fit_args(corpus, tiny_config, cache_dir, ft, 5, "--init", str(weights))) == 0
+    assert main(fit_args(corpus, tiny_config, cache_dir, fresh, 5)) == 0
+    tuned = load_checkpoint(ft / "checkpoints" / "step-00000005.pt")
+    assert torch.equal(tuned.feat_mean, trained.feat_mean.half().float())
+    assert float(losses(ft)[1]) < 0.9 * float(losses(fresh)[1])
+    assert main(fit_args(corpus, tiny_config, cache_dir, tmp_path / "bad", 5, "--init", str(tmp_path / "none.pt"))) == 2
