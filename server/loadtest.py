@@ -158,6 +158,12 @@ class Client:
             self.error = f"{type(e).__name__}: {e}"
 
     async def _read(self, ws) -> None:
+        try:
+            await self._read_messages(ws)
+        except Exception as e:  # noqa: BLE001 - the connection ended abnormally: reported in the summary
+            self.error = self.error or f"{type(e).__name__}: {e}"
+
+    async def _read_messages(self, ws) -> None:
         async for message in ws:
             now = time.perf_counter()
             if isinstance(message, str):

@@ -31,8 +31,12 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
 
     metrics = getattr(getattr(app, "state", None), "metrics", None)
     on_stall = metrics.stalled.inc if metrics is not None else None
-    # per-message deflate is off: PCM barely compresses, and it cost ~10 % of the CPU of 32 streams
-    options = dict(host=host, port=port, ws_max_size=settings.max_message_bytes + 65536,
+    # per-message deflate is off: PCM barely compresses, and it cost ~10 % of the CPU of 32 streams.
+    # Keepalive pings without a pong deadline: while a stream is held back (its audio waits for
+    # inference), uvicorn stops reading its socket and cannot see pongs, so a deadline closed busy
+    # streams with a misleading 1011 "keepalive ping timeout" (soak at overload). Dead peers are
+    # still found: by idle_timeout_s while reading, by the stall guard while output waits.
+    options = dict(host=host, port=port, ws_max_size=settings.max_message_bytes + 65536, ws_ping_timeout=None,
                    log_level="info", ws_per_message_deflate=False, log_config=log_config(),
                    timeout_graceful_shutdown=settings.drain_timeout_s, proxy_headers=False, server_header=False,
                    **protocol_classes(settings.idle_timeout_s, on_stall))
