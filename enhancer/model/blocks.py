@@ -22,6 +22,15 @@ from ..config import ModelConfig
 from .layers import GroupedLinear, GroupLayerNorm, attend
 
 
+def ring_bias(pos: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, 1, W) additive attention bias over the ring slots for frames at `pos` (B,): slot j holds
+    frame pos - W + ((j - pos) mod W); it is in the window unless it is the slot this frame replaces
+    (frame pos - W) or was never written (j >= pos)."""
+    slots = torch.arange(window, device=pos.device)[None, :]  # (1, W)
+    valid = (slots < pos[:, None]) & (slots != (pos % window)[:, None])  # (B, W)
+    return torch.zeros(valid.shape, device=pos.device).masked_fill(~valid, float("-inf"))[:, None, :]
+
+
 class EncoderBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, mechanisms: int, competition: bool):
         super().__init__()
@@ -90,7 +99,8 @@ class EncoderBlock(nn.Module):
         return h.reshape(b, t, -1), (None if c is None else c[..., 0])
 
     # ------------------------------------------------------------------ one frame
-    def step(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor):
+    def step(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+             bias: torch.Tensor | None = None):
         """One frame against the key/value ring buffer of this layer.
 
         x: (B, d_model); k/v_cache: (B, H, W, dh), slot `p % W` holding frame p's key/value for
@@ -98,7 +108,9 @@ class EncoderBlock(nn.Module):
         The caches are only read: the frame's own key/value are returned as rows (B, H, dh) for
         the caller to write into slot `pos % W` in place (a graph output would be a full copy).
         Returns y (B, d_model), k_row, v_row, competition (B, G) or None.
-        Written with constant shapes (batch as -1) so the exported graph has no shape arithmetic.
+        `bias` (B, 1, W): 0 for ring slots in the window, -inf for the others (`ring_bias`); layers
+        of one step share it. Written with constant shapes (batch as -1) so the exported graph has no
+        shape arithmetic.
         """
         g, hd, nh, w = self.g, self.head_dim, self.n_heads, self.window
         h = x.reshape(-1, g, self.dm) if g > 1 else x  # (B, G, dm), or (B, d_model) for an ordinary block
@@ -108,12 +120,8 @@ class EncoderBlock(nn.Module):
         k = qkv[:, :, 1].reshape(-1, nh, hd)  # (B, H, dh)
         v = qkv[:, :, 2].reshape(-1, nh, hd)
         scale = hd ** -0.5
-        slots = torch.arange(w, device=x.device)[None, :]  # (1, W)
-        # slot j holds frame pos - W + ((j - pos) mod W); it is in the window unless it is the slot
-        # this frame replaces (frame pos - W) or was never written (j >= pos)
-        valid = (slots < pos[:, None]) & (slots != (pos % w)[:, None])  # (B, W)
-        s_cache = (q @ k_cache.transpose(-1, -2)).reshape(-1, nh, w) * scale  # (B, H, W)
-        s_cache = s_cache.masked_fill(~valid[:, None, :], float("-inf"))
+        bias = ring_bias(pos, w) if bias is None else bias  # (B, 1, W)
+        s_cache = (q @ k_cache.transpose(-1, -2)).reshape(-1, nh, w) * scale + bias  # (B, H, W)
         s_self = (q.reshape(-1, nh, hd) * k).sum(-1, keepdim=True) * scale  # (B, H, 1)
         p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)  # (B, H, W+1)
         m = (p[:, :, None, :w] @ v_cache).reshape(-1, nh, hd) + p[:, :, w:] * v  # (B, H, dh)

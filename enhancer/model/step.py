@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..layout import has_competition, state_specs
+from .blocks import ring_bias
 from .features import dft_bases
 from .net import TIMNet
 
@@ -62,8 +63,9 @@ class StreamingStep(nn.Module):
         x, tails = net.pre.step(x, tails)
         x = net.proj(x)  # (B, d_model)
         k_rows, v_rows, comps = [], [], []
+        bias = ring_bias(pos, cfg.window)  # (B, 1, W), shared by the layers
         for block, k, v in zip(net.blocks, ks, vs):
-            x, k_row, v_row, c = block.step(x, k, v, pos)
+            x, k_row, v_row, c = block.step(x, k, v, pos, bias)
             k_rows.append(k_row)
             v_rows.append(v_row)
             if c is not None:
