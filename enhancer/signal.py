@@ -99,7 +99,7 @@ def to_float32(a: np.ndarray) -> np.ndarray:
 def check_rate(sample_rate: int) -> int:
     try:
         sr = int(sample_rate)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise AudioError(f"sample rate must be an integer, got {sample_rate!r}") from None
     if sr != sample_rate or not MIN_RATE <= sr <= MAX_RATE:
         raise AudioError(f"sample rate {sample_rate!r} Hz is outside the supported {MIN_RATE}..{MAX_RATE} Hz")

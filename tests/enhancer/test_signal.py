@@ -94,7 +94,7 @@ def test_integer_pcm_is_scaled():
     np.testing.assert_allclose(ns.check_audio(u), [-1.0, 0.0, 127 / 128])
 
 
-@pytest.mark.parametrize("rate", [0, -16000, 999, 10**9, 16000.5, "fast", None])
+@pytest.mark.parametrize("rate", [0, -16000, 999, 10**9, 16000.5, "fast", None, float("inf"), float("nan")])
 def test_absurd_rates_are_rejected(rate):
     with pytest.raises(AudioError, match="sample rate"):
         ns.check_rate(rate)
