@@ -199,13 +199,18 @@ async def sample_stats(stats: ProcStats, stop: asyncio.Event, interval: float = 
             pass
 
 
-def scrape(url: str) -> dict[str, float]:
-    """The server's step and batch counters (sums and counts) from /metrics."""
+def metrics_lines(url: str, timeout: float = 10.0) -> list[str]:
+    """The Prometheus text of the server behind the websocket `url`, line by line."""
     import httpx
 
     base = url.replace("ws", "http", 1).rsplit("/v1/", 1)[0]
+    return httpx.get(base + "/metrics", timeout=timeout).text.splitlines()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's step and batch counters (sums and counts) from /metrics."""
     values = {}
-    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+    for line in metrics_lines(url, timeout=5):
         name = line.split(" ")[0]
         if name in ("tim_step_seconds_sum", "tim_step_seconds_count", "tim_batch_size_sum", "tim_batch_size_count"):
             values[name] = float(line.split()[-1])

@@ -50,11 +50,8 @@ async def sampler(pid: int, t0: float, every: float, stop: asyncio.Event, out: l
 
 
 def server_errors(url: str) -> dict[str, float]:
-    import httpx
-
-    base = url.replace("ws", "http", 1).rsplit("/v1/", 1)[0]
     errors = {}
-    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+    for line in loadtest.metrics_lines(url):
         if line.startswith("tim_errors_total{"):
             kind = line.split('kind="', 1)[1].split('"', 1)[0]
             errors[kind] = float(line.split()[-1])

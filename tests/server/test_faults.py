@@ -307,6 +307,18 @@ def test_download_never_read_is_dropped(live_fault):
 
 
 # ---------------------------------------------------------------------------------- inference faults
+async def collect(ws, out: list, texts: list) -> None:
+    """Read a websocket until it closes: f32le audio into `out`, JSON messages into `texts`."""
+    try:
+        async for m in ws:
+            if isinstance(m, bytes):
+                out.append(from_bytes(m, "f32le", 1))
+            else:
+                texts.append(json.loads(m))
+    except ConnectionClosed:
+        pass
+
+
 def _lanes_of(srv, job_id: int) -> set[int]:
     for w in srv.scheduler.workers:
         st = w.streams.get(job_id)
@@ -348,17 +360,7 @@ def test_inference_failure_mid_batch_closes_only_the_affected_stream(live_fault,
             opened.set()
             await go.wait()
 
-            async def reader():
-                try:
-                    async for m in ws:
-                        if isinstance(m, bytes):
-                            out.append(from_bytes(m, "f32le", 1))
-                        else:
-                            texts.append(json.loads(m))
-                except ConnectionClosed:
-                    pass
-
-            task = asyncio.create_task(reader())
+            task = asyncio.create_task(collect(ws, out, texts))
             for k in range(0, len(x), 4000):
                 await ws.send(to_bytes(x[k:k + 4000], "f32le"))
             await ws.send(json.dumps({"type": "end"}))
@@ -465,17 +467,7 @@ def test_sigterm_drains_active_streams(model_path, enhancer_rt):
                 await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
                 assert json.loads(await ws.recv())["type"] == "ready"
 
-                async def reader():
-                    try:
-                        async for m in ws:
-                            if isinstance(m, bytes):
-                                out.append(from_bytes(m, "f32le", 1))
-                            else:
-                                texts.append(json.loads(m))
-                    except ConnectionClosed:
-                        pass
-
-                task = asyncio.create_task(reader())
+                task = asyncio.create_task(collect(ws, out, texts))
                 for k in range(0, len(x), 1600):
                     await ws.send(to_bytes(x[k:k + 1600], "f32le"))
                 sent.set()
