@@ -13,6 +13,9 @@ from .errors import AudioError
 
 MIN_RATE = 1000
 MAX_RATE = 384000
+# Float audio is expected in about [-1, 1] (full scale). Finite samples far beyond it still break
+# the model: from about 1e17 its output overflows to NaN/Inf. The service uses the same bound.
+MAX_ABS_SAMPLE = 1e6
 
 
 def sqrt_hann(n: int) -> np.ndarray:
@@ -66,7 +69,8 @@ def log_magnitude(spec: np.ndarray, eps: float) -> np.ndarray:
 
 # --------------------------------------------------------------------------- input handling
 def check_audio(audio: np.ndarray, name: str = "audio") -> np.ndarray:
-    """Validate a waveform: shape (n,) or (n, channels), finite, non-empty. Returns float32."""
+    """Validate a waveform: shape (n,) or (n, channels), finite, within +-MAX_ABS_SAMPLE, non-empty.
+    Returns float32."""
     a = np.asarray(audio)
     if a.dtype.kind not in "fiu":
         raise AudioError(f"{name}: expected a numeric array, got dtype {a.dtype}")
@@ -82,6 +86,10 @@ def check_audio(audio: np.ndarray, name: str = "audio") -> np.ndarray:
     if not np.isfinite(a).all():
         bad = int((~np.isfinite(a)).sum())
         raise AudioError(f"{name}: {bad} sample(s) are NaN or Inf")
+    peak = float(np.abs(a).max())
+    if peak > MAX_ABS_SAMPLE:
+        raise AudioError(f"{name}: sample values up to {peak:.3g}; float audio is expected in about [-1, 1] "
+                         f"and must lie within +-{MAX_ABS_SAMPLE:g}")
     return a
 
 

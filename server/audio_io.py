@@ -11,7 +11,7 @@ import numpy as np
 import soundfile as sf
 
 from enhancer.errors import AudioError
-from enhancer.signal import check_rate
+from enhancer.signal import MAX_ABS_SAMPLE, check_rate
 
 from .errors import ServiceError
 
@@ -25,9 +25,6 @@ EXTENSIONS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "W64": "w64", "FLAC":
 MP3_SLACK = 2 * 1152  # MP3 frame counts from headers may be estimates: tolerate two MPEG frames
 
 ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
-# Float audio is expected near +-1 (full scale). Finite samples far beyond it still break the
-# model: from about 1e17 its output overflows to NaN/Inf (found by fuzzing). Refuse them.
-MAX_ABS_SAMPLE = 1e6
 # Encoder limits libsndfile does not check itself: above 200 kHz its Vorbis encoder crashes the
 # process when the file is closed (found by fuzzing: one request took the server down).
 VORBIS_MAX_RATE = 200_000

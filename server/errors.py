@@ -19,6 +19,7 @@ KINDS: dict[str, tuple[int, int]] = {
     "not_found": (404, 1008),  # no such route or file
     "method_not_allowed": (405, 1008),
     "idle_timeout": (408, 1008),  # no message within the idle timeout
+    "rate_limited": (429, 1008),  # websocket messages faster than the message-rate limit
     "over_capacity": (503, 1013),  # all streams / jobs / lanes busy
     "shutting_down": (503, 1012),  # the server is draining for a restart: reconnect
     "client_closed": (499, 1001),  # the client went away mid-request (nobody sees the answer)

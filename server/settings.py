@@ -33,6 +33,7 @@ class Settings:
     rest_chunk_s: float = 5.0  # decode / enhance / encode block: bounds memory for long files
     # websocket limits
     max_message_bytes: int = 1024 * 1024  # one binary or text message (1009 beyond)
+    max_messages_per_s: float = 400.0  # messages per stream per second, bursts up to one second's worth (1008 beyond)
     max_stream_s: float = 4 * 3600.0  # audio one websocket stream may send (1008 beyond)
     idle_timeout_s: float = 30.0  # no message for this long closes the stream (1008)
     max_buffered_s: float = 2.0  # audio accepted ahead of inference before reading pauses
@@ -72,7 +73,7 @@ class Settings:
         if self.max_channels > 64:
             raise ValueError(f"max_channels must be <= 64, got {self.max_channels}")
         for name in ("max_duration_s", "rest_chunk_s", "max_stream_s", "idle_timeout_s", "max_buffered_s",
-                     "drain_timeout_s"):
+                     "drain_timeout_s", "max_messages_per_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
@@ -90,5 +91,5 @@ class Settings:
     def public(self) -> dict:
         """The limits a client may see (no secrets)."""
         keep = ("max_streams", "max_channels", "max_upload_bytes", "max_duration_s", "max_message_bytes",
-                "max_stream_s", "idle_timeout_s")
+                "max_messages_per_s", "max_stream_s", "idle_timeout_s")
         return {k: getattr(self, k) for k in keep} | {"auth": self.api_key is not None}

@@ -18,6 +18,8 @@ import asyncio
 import collections
 import json
 import logging
+import math
+import time
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
@@ -101,6 +103,9 @@ class StreamSession:
         self.draining = False
         self.finished = asyncio.Event()
         self._deadline = None  # the idle timer of the receive in progress
+        # message-rate limit: a token bucket refilled at max_messages_per_s, holding one second's worth
+        self._tokens = self._burst = max(float(self.settings.max_messages_per_s), 1.0)
+        self._refilled = time.monotonic()
 
     # ------------------------------------------------------------------ reading
     async def run(self) -> None:
@@ -165,7 +170,21 @@ class StreamSession:
         if len(data) > self.settings.max_message_bytes:
             raise ServiceError("too_large", f"a message of {len(data)} bytes is over the limit of "
                                f"{self.settings.max_message_bytes} bytes; send smaller chunks")
+        self._count_message()
         return message
+
+    def _count_message(self) -> None:
+        """Take one token from the message-rate bucket, or ServiceError (rate_limited)."""
+        rate = self.settings.max_messages_per_s
+        if math.isinf(rate):
+            return
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._refilled) * rate)
+        self._refilled = now
+        if self._tokens < 1.0:
+            raise ServiceError("rate_limited", f"more than {rate:g} messages per second; send fewer, larger "
+                               "messages (20 ms of audio or more each)")
+        self._tokens -= 1.0
 
     def _start_params(self, text: str) -> dict:
         msg = _parse_json(text)

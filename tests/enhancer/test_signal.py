@@ -87,6 +87,32 @@ def test_check_audio_errors(bad, match):
         ns.check_audio(bad)
 
 
+@pytest.mark.parametrize("peak", [1e7, -1e7, 1e30])
+def test_check_audio_refuses_huge_float_samples(peak):
+    x = speechlike(1600)
+    x[100] = peak
+    with pytest.raises(AudioError, match=r"about \[-1, 1\]") as e:
+        ns.check_audio(x)
+    assert f"+-{ns.MAX_ABS_SAMPLE:g}" in str(e.value)
+    x[100] = ns.MAX_ABS_SAMPLE  # the bound itself is accepted
+    assert ns.check_audio(x)[100] == np.float32(ns.MAX_ABS_SAMPLE)
+
+
+def test_enhancer_refuses_huge_samples_and_accepts_loud_ones(enhancer_rt):
+    x = speechlike(4000, seed=7)
+    loud = x * (10.0 / np.abs(x).max())  # peak 10: far above full scale, within the bound
+    y = enhancer_rt.enhance(loud, 16000)
+    assert y.shape == loud.shape and np.isfinite(y).all()
+    huge = x.copy()
+    huge[2000] = 1e7
+    with pytest.raises(AudioError, match=r"about \[-1, 1\]"):
+        enhancer_rt.enhance(huge, 16000)
+    s = enhancer_rt.stream(16000)
+    s.feed(x[:1000])
+    with pytest.raises(AudioError, match=r"1e\+06"):
+        s.feed(huge[1000:3000])
+
+
 def test_integer_pcm_is_scaled():
     x = np.array([-32768, 0, 16384], np.int16)
     np.testing.assert_allclose(ns.check_audio(x), [-1.0, 0.0, 0.5])

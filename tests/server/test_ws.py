@@ -246,6 +246,85 @@ def test_message_too_big(live):
     expect_close(live.ws_url, [big], 1009, "too_large", "limit")
 
 
+def flood(url: str, n: int):
+    """Send `n` one-sample messages as fast as possible; returns (messages sent, texts, close code)."""
+    texts, sent = [], 0
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"sample_rate": 16000, "encoding": "pcm_s16le"}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "ready"
+        try:
+            for _ in range(n):
+                ws.send(b"\x01\x00")
+                sent += 1
+            ws.send(json.dumps({"type": "end"}))
+        except ConnectionClosed:
+            pass
+        try:
+            while True:
+                m = ws.recv(timeout=30)
+                if isinstance(m, str):
+                    texts.append(json.loads(m))
+        except ConnectionClosed:
+            pass
+        return sent, texts, ws.close_code
+
+
+def test_message_flood_is_rate_limited(live, enhancer_rt):
+    """2,000 one-sample messages as fast as the client can: closed with 1008 (rate_limited) after
+    the burst allowance; the server keeps serving."""
+    limit = live.settings.max_messages_per_s
+    errors0 = live.metrics.errors.labels(kind="rate_limited")._value.get()
+    audio0 = live.metrics.stream_seconds._value.get()
+    sent, texts, code = flood(live.ws_url, 2000)
+    errors = [t for t in texts if t["type"] == "error"]
+    assert code == 1008, (code, sent, texts)
+    assert errors and errors[-1]["kind"] == "rate_limited" and errors[-1]["code"] == 1008, texts
+    assert "messages per second" in errors[-1]["message"], errors
+    assert not any(t["type"] == "end" for t in texts), texts
+    accepted = round((live.metrics.stream_seconds._value.get() - audio0) * 16000)  # one sample per message
+    assert limit - 1 <= accepted < 2000, accepted  # the burst (one second's worth, less the start message) passed
+    assert live.metrics.errors.labels(kind="rate_limited")._value.get() == errors0 + 1
+    live.wait_idle()
+    x = speechlike(8000, 16000, seed=14)[:, None]
+    y, _, code = stream_through(live.ws_url, x, 16000, "f32le", [320] * 25)
+    assert code == 1000
+    np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000), rtol=0, atol=1e-5)
+
+
+def test_paced_client_is_not_rate_limited(live, enhancer_rt):
+    """20 ms chunks for 4 s, sent at twice real time (100 messages/s): untouched by the limit."""
+    sr, chunk = 16000, 320
+    x = speechlike(4 * sr, sr, seed=15)[:, None]
+    errors0 = live.metrics.errors.labels(kind="rate_limited")._value.get()
+
+    async def run():
+        out = []
+        async with aconnect(live.ws_url, max_size=None) as ws:
+            await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
+            assert json.loads(await ws.recv())["type"] == "ready"
+
+            async def reader():
+                async for m in ws:
+                    if isinstance(m, bytes):
+                        out.append(from_bytes(m, "f32le", 1))
+                    else:
+                        assert json.loads(m)["type"] == "end", m
+
+            task = asyncio.create_task(reader())
+            for i in range(0, len(x), chunk):
+                await ws.send(to_bytes(x[i:i + chunk], "f32le"))
+                await asyncio.sleep(0.01)
+            await ws.send(json.dumps({"type": "end"}))
+            await task
+            return np.concatenate(out), ws.close_code
+
+    y, code = asyncio.run(run())
+    assert code == 1000
+    np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], sr), rtol=0, atol=1e-5)
+    assert live.metrics.errors.labels(kind="rate_limited")._value.get() == errors0
+    live.wait_idle()
+
+
 def test_too_many_streams(live_auth):
     key = {"additional_headers": {"X-API-Key": "s3cret-key"}}
     with connect(live_auth.ws_url, **key) as a, connect(live_auth.ws_url, **key) as b:
