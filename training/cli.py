@@ -5,6 +5,7 @@
     enhancer-train eval --model runs/tim/checkpoints/best.pt --noisy DIR --clean DIR --out report/
     enhancer-train plot --model MODEL --noisy FILE --clean FILE --out fig.png
     enhancer-train plot --metrics runs/tim/metrics.csv --out curves.png
+    enhancer-train competition --model MODEL --noisy DIR --clean DIR --out report/
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from enhancer import ModelConfig
 from enhancer.errors import EnhancerError
 
+from .competition import add_competition
 from .evaluate import add_eval
 from .manifests import DataError
 from .devset import add_devset
@@ -149,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fit(sub)
     add_eval(sub)
     add_plot(sub)
+    add_competition(sub)
     add_devset(sub)
     add_bench_peers(sub)
     return parser
