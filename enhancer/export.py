@@ -30,7 +30,7 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
 
     from . import __version__
     from .model import StreamingStep, count_parameters, init_caches
-    from .layout import input_names, output_names
+    from .layout import STEP_FORMAT, input_names, output_names
 
     cfg: ModelConfig = model.config
     step = StreamingStep(model).eval()
@@ -51,6 +51,7 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     meta = {
         "config": json.dumps(cfg.to_dict()),
         "version": __version__,
+        "step_format": STEP_FORMAT,
         "parameters": str(count_parameters(model)),
         "delay_samples": str(cfg.delay_samples),
         "latency_ms": str(cfg.algorithmic_latency_ms),

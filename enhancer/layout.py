@@ -7,6 +7,10 @@ import numpy as np
 
 from .config import ModelConfig
 
+# Version of the step graph's interface (input/output layout); stored in the model's metadata.
+# 2: kv_rows is (B, H, 2N, dh).
+STEP_FORMAT = "2"
+
 
 def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Names and per-stream shapes (no batch dimension) of the state caches, in graph order."""
@@ -46,11 +50,10 @@ def init_caches(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
 def write_rings(rings, kv_rows, pos, window: int, batch=None) -> None:
     """Write new key/value rows into slot pos % W of the rings, in place.
 
-    rings: k0..kN, v0..vN, each (B, H, W, dh), numpy or torch; kv_rows (k, 2, N, H, dh) and pos (k,)
-    for the k streams at indices `batch` of the rings (default: all B, in order)."""
-    n = len(rings) // 2
+    rings: k0..kN-1, v0..vN-1, each (B, H, W, dh), numpy or torch; kv_rows (k, H, 2N, dh) (the
+    rings' rows in the same order) and pos (k,) for the k streams at indices `batch` of the rings
+    (default: all B, in order)."""
     slot = pos % window
     batch = np.arange(slot.shape[0]) if batch is None else batch
-    for kind in range(2):
-        for j in range(n):
-            rings[kind * n + j][batch, :, slot] = kv_rows[:, kind, j]  # (k, H, dh)
+    for j, ring in enumerate(rings):
+        ring[batch, :, slot] = kv_rows[:, :, j]  # (k, H, dh)

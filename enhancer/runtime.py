@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import AudioError, CheckpointError
-from .layout import init_caches, input_names, output_names, state_specs, write_rings
+from .layout import STEP_FORMAT, init_caches, input_names, output_names, state_specs, write_rings
 from .signal import StreamResampler, check_audio, check_rate
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -80,6 +80,9 @@ class Engine:
         meta = self.session.get_modelmeta().custom_metadata_map
         if "tim_enhancer.config" not in meta:
             raise CheckpointError(f"{path}: not a tim-enhancer step graph (no tim_enhancer.config metadata)")
+        if meta.get("tim_enhancer.step_format") != STEP_FORMAT:
+            raise CheckpointError(f"{path}: step graph format {meta.get('tim_enhancer.step_format', '1')!r}, this runtime "
+                                  f"needs {STEP_FORMAT!r}; re-export it from its checkpoint with `enhancer export CKPT -o MODEL`")
         self.path = path
         self.config = ModelConfig.from_dict(json.loads(meta["tim_enhancer.config"]))
         self.metadata = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith("tim_enhancer.")}

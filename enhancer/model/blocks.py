@@ -14,6 +14,8 @@ Self-attention is causal and limited to a window of W frames. `forward` runs a w
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,12 +25,12 @@ from .layers import GroupedLinear, GroupLayerNorm, attend
 
 
 def ring_bias(pos: torch.Tensor, window: int) -> torch.Tensor:
-    """(B, 1, W) additive attention bias over the ring slots for frames at `pos` (B,): slot j holds
+    """(B, 1, 1, W) additive attention bias over the ring slots for frames at `pos` (B,): slot j holds
     frame pos - W + ((j - pos) mod W); it is in the window unless it is the slot this frame replaces
     (frame pos - W) or was never written (j >= pos)."""
     slots = torch.arange(window, device=pos.device)[None, :]  # (1, W)
     valid = (slots < pos[:, None]) & (slots != (pos % window)[:, None])  # (B, W)
-    return torch.zeros(valid.shape, device=pos.device).masked_fill(~valid, float("-inf"))[:, None, :]
+    return torch.zeros(valid.shape, device=pos.device).masked_fill(~valid, float("-inf"))[:, None, None, :]
 
 
 class EncoderBlock(nn.Module):
@@ -53,6 +55,13 @@ class EncoderBlock(nn.Module):
         self.ffn_out = GroupedLinear(g, cfg.d_ffn // g, self.dm)
         self.norm_ffn = GroupLayerNorm(g, self.dm)
         self.drop = nn.Dropout(cfg.dropout)
+        # 1/sqrt(dh) on the queries of the step graph: folded into the QKV weights when it is a power
+        # of two (exact, so float16 weight storage stays exact), else one multiply per step
+        scale = self.head_dim ** -0.5
+        self.fold_scale = math.log2(scale).is_integer()
+        self.step_scale = 1.0 if self.fold_scale else scale
+        q_scale = torch.cat([torch.full((hd,), scale if self.fold_scale else 1.0), torch.ones(2 * hd)])
+        self.register_buffer("q_scale", q_scale, persistent=False)  # (3 * hd,)
 
     # ------------------------------------------------------------------ shared pieces
     def _compete(self, h: torch.Tensor) -> torch.Tensor | None:
@@ -99,31 +108,40 @@ class EncoderBlock(nn.Module):
         return h.reshape(b, t, -1), (None if c is None else c[..., 0])
 
     # ------------------------------------------------------------------ one frame
+    def _step_qkv(self, h: torch.Tensor):
+        """h (B, d_model) or (B, G, dm) -> q (scaled if `fold_scale`), k, v, each (B, H, 1, dh), heads mechanism-major."""
+        g, hd, nh = self.g, self.head_dim, self.n_heads
+        w, b = self.qkv.weight * self.q_scale, self.qkv.bias * self.q_scale  # constants of the graph
+        if g == 1:
+            y = F.linear(h, w[0].t(), b[0])  # (B, 3 * hd): one Gemm
+            return y.reshape(-1, 3 * nh, 1, hd).split(nh, dim=1)
+        y = h.transpose(0, 1) @ w + b[:, None, :]  # (G, B, 3 * dm)
+        y = y.reshape(g, -1, 3, self.heads_per_mech, hd).permute(1, 2, 0, 3, 4)  # (B, 3, G, Hg, dh)
+        return y.reshape(-1, 3 * nh, 1, hd).split(nh, dim=1)
+
     def step(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
              bias: torch.Tensor | None = None):
         """One frame against the key/value ring buffer of this layer.
 
         x: (B, d_model); k/v_cache: (B, H, W, dh), slot `p % W` holding frame p's key/value for
         the W most recent frames p < pos; pos: (B,) int64 index of this frame in its stream.
-        The caches are only read: the frame's own key/value are returned as rows (B, H, dh) for
+        The caches are only read: the frame's own key/value are returned as rows (B, H, 1, dh) for
         the caller to write into slot `pos % W` in place (a graph output would be a full copy).
         Returns y (B, d_model), k_row, v_row, competition (B, G) or None.
-        `bias` (B, 1, W): 0 for ring slots in the window, -inf for the others (`ring_bias`); layers
-        of one step share it. Written with constant shapes (batch as -1) so the exported graph has no
-        shape arithmetic.
+        `bias` (B, 1, 1, W): 0 for ring slots in the window, -inf for the others (`ring_bias`);
+        layers of one step share it. Written with constant shapes (batch as -1) and few operators:
+        at batch 1 the step's time is mostly per-operator overhead.
         """
-        g, hd, nh, w = self.g, self.head_dim, self.n_heads, self.window
+        g, w = self.g, self.window
         h = x.reshape(-1, g, self.dm) if g > 1 else x  # (B, G, dm), or (B, d_model) for an ordinary block
         c = None if self.competition is None else torch.softmax(self.competition(h), dim=1)  # (B, G, 1)
-        qkv = self.qkv(h).reshape(-1, g, 3, self.heads_per_mech, hd)  # (B, G, 3, Hg, dh)
-        q = qkv[:, :, 0].reshape(-1, nh, 1, hd)  # (B, H, 1, dh), heads mechanism-major
-        k = qkv[:, :, 1].reshape(-1, nh, hd)  # (B, H, dh)
-        v = qkv[:, :, 2].reshape(-1, nh, hd)
-        scale = hd ** -0.5
-        bias = ring_bias(pos, w) if bias is None else bias  # (B, 1, W)
-        s_cache = (q @ k_cache.transpose(-1, -2)).reshape(-1, nh, w) * scale + bias  # (B, H, W)
-        s_self = (q.reshape(-1, nh, hd) * k).sum(-1, keepdim=True) * scale  # (B, H, 1)
-        p = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1)  # (B, H, W+1)
-        m = (p[:, :, None, :w] @ v_cache).reshape(-1, nh, hd) + p[:, :, w:] * v  # (B, H, dh)
+        q, k, v = self._step_qkv(h)  # (B, H, 1, dh)
+        if self.step_scale != 1.0:
+            q = q * self.step_scale
+        bias = ring_bias(pos, w) if bias is None else bias  # (B, 1, 1, W)
+        s_cache = q @ k_cache.transpose(-1, -2) + bias  # (B, H, 1, W)
+        s_self = (q * k).sum(-1, keepdim=True)  # (B, H, 1, 1)
+        p_cache, p_self = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1).split([w, 1], dim=-1)
+        m = p_cache @ v_cache + p_self * v  # (B, H, 1, dh)
         h = self._after_attention(h, m.reshape((-1, self.dm) if g == 1 else (-1, g, self.dm)), c)  # like h
         return h.reshape(-1, g * self.dm) if g > 1 else h, k, v, (None if c is None else c.reshape(-1, g))

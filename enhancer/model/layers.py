@@ -51,6 +51,8 @@ class GroupLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(groups, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., G, dim)
+        if self.weight.shape[0] == 1:  # one group: a plain LayerNorm (one graph node)
+            return F.layer_norm(x, (self.dim,), self.weight[0], self.bias[0], self.eps)
         return F.layer_norm(x, (self.dim,), eps=self.eps) * self.weight + self.bias
 
 

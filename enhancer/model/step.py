@@ -15,8 +15,8 @@ Key/value ring buffers (read by the graph, written by the caller in place):
     k0..k7, v0..v7  (B, H, W, dh)     slot `p % W` holds frame p's key/value
 Outputs: out (B, 256), the stream delayed by (L + 1) * 256 samples; competition (B, n_tim, n_s)
 (models with competition only); activity (B,) mean gain over 300 Hz..4 kHz; kv_rows
-(B, 2, n_layers, H, dh), this frame's keys and values, which the caller writes to slot `pos % W`
-of each ring (`write_rings`); then the new state caches.
+(B, H, 2 * n_layers, dh), this frame's keys (layers 0..N-1) then values, which the caller writes
+to slot `pos % W` of each ring (`write_rings`); then the new state caches.
 
 A stateless graph returns fresh output buffers, so returning whole rings would copy every ring
 every step (2.5 MB per stream for the default model); writing one row in place costs nothing.
@@ -63,7 +63,7 @@ class StreamingStep(nn.Module):
         x, tails = net.pre.step(x, tails)
         x = net.proj(x)  # (B, d_model)
         k_rows, v_rows, comps = [], [], []
-        bias = ring_bias(pos, cfg.window)  # (B, 1, W), shared by the layers
+        bias = ring_bias(pos, cfg.window)  # (B, 1, 1, W), shared by the layers
         for block, k, v in zip(net.blocks, ks, vs):
             x, k_row, v_row, c = block.step(x, k, v, pos, bias)
             k_rows.append(k_row)
@@ -77,6 +77,6 @@ class StreamingStep(nn.Module):
         hop_n = cfg.stft.hop
         out = ola + frame[:, :hop_n]
         activity = gain[:, self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B,)
-        kv_rows = torch.stack([torch.stack(k_rows, 1), torch.stack(v_rows, 1)], 1)  # (B, 2, N, H, dh)
+        kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N, dh): keys of layers 0..N-1, then values
         outs = [out] + ([torch.stack(comps, dim=1)] if self.with_comp else []) + [activity, kv_rows]
         return tuple(outs + [hop, spec_delay, *tails, frame[:, hop_n:]])

@@ -222,3 +222,18 @@ def test_metadata_per_step(enhancer_rt):
     np.testing.assert_allclose(comp.sum(-1), 1.0, atol=1e-5)
     assert 0.0 < float(meta[0]["activity"][0]) < 1.0
     assert s.pop_metadata() == []
+
+
+def test_model_of_another_step_format_is_refused(model_path, tmp_path):
+    """A graph exported with another cache layout must not run with this runtime's ring writes."""
+    import onnx
+
+    proto = onnx.load(str(model_path))
+    for entry in proto.metadata_props:
+        if entry.key == "tim_enhancer.step_format":
+            entry.value = "1"
+    old = tmp_path / "old.onnx"
+    onnx.save(proto, str(old))
+    with pytest.raises(CheckpointError, match="step graph format '1'.*re-export"):
+        Enhancer.from_pretrained(old)
+    Enhancer.from_pretrained(model_path)  # the original loads
