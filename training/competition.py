@@ -38,7 +38,7 @@ from .plots import (
     log_spectrogram,
 )
 
-SPEECH_RANGE_DB = 30.0  # active: frame energy within this many dB of the clip's loudest frames
+SPEECH_RANGE_DB = 20.0  # active: within this many dB of the loudest frames (real "clean" references have noise floors ~30 dB down)
 SPEECH_REF_PERCENTILE = 95.0  # "loudest frames": this percentile of the clip's frame energies (dB)
 ENERGY_FLOOR = 1e-10  # frames at or below this energy (sum |X|^2) are silence
 SPECIALISATION_R = 0.3  # |Pearson r| above which a mechanism counts as specialised on speech
