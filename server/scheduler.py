@@ -17,6 +17,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from enhancer.signal import check_rate
 from .errors import ServiceError
 from .metrics import Metrics
 from .settings import Settings
+
+SWITCH_INTERVAL_S = 0.0005  # GIL hand-over bound for the inference threads (Python's default: 5 ms)
 
 log = logging.getLogger("tim_enhancer.server")
 
@@ -143,6 +146,9 @@ class Scheduler:
         enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
         workers = [Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000)
                    for i in range(s.workers)]
+        # The workers hold the GIL only between onnxruntime calls, but each time they want it back the
+        # event loop may keep it for a whole switch interval (5 ms by default): a third of a hop.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         for w in workers:
             w.start()
         self.workers = workers

@@ -90,3 +90,16 @@ def test_fp16_export_is_exact_and_half_the_size(tmp_path, torch_model, capsys):
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
     full = Enhancer.from_pretrained(tmp_path / "m32.onnx").enhance(x, 16000)
     assert 0 < np.abs(full - got).max() < 0.02 * np.abs(full).max()  # rounding the weights changes little
+
+
+def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
+    assert main(["bench", "--model", str(model_path), "--steps", "8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [s["batch"] for s in res["step"]] == [1, 4, 16, 32, 64]
+    assert [s["batch"] for s in res["paced"]] == [1, 16]
+    for s in res["step"] + res["paced"]:
+        assert 0 < s["p50_ms"] <= s["p99_ms"]
+    for s in res["step"]:
+        assert s["per_stream_p50_ms"] == pytest.approx(s["p50_ms"] / s["batch"])
+    assert res["algorithmic_latency_ms"] == 64 and res["provider"] == "CPUExecutionProvider"
+    assert res["offline_rtf"] > 0 and res["peak_rss_mb"] > 0
