@@ -6,6 +6,8 @@ padded samples `[n*hop, n*hop + n_fft)`, so frame 0 holds one hop of zeros and t
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .config import STFTConfig
@@ -68,6 +70,15 @@ def log_magnitude(spec: np.ndarray, eps: float) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- input handling
+def nonfinite_and_peak(x: np.ndarray) -> tuple[int, float]:
+    """(number of NaN/Inf samples, peak |x|) of non-empty float audio, in one pass when all samples
+    are finite (the peak is meaningless otherwise)."""
+    peak = float(np.abs(x).max())
+    if math.isfinite(peak):
+        return 0, peak
+    return int((~np.isfinite(x)).sum()), peak
+
+
 def check_audio(audio: np.ndarray, name: str = "audio") -> np.ndarray:
     """Validate a waveform: shape (n,) or (n, channels), finite, within +-MAX_ABS_SAMPLE, non-empty.
     Returns float32."""
@@ -83,10 +94,9 @@ def check_audio(audio: np.ndarray, name: str = "audio") -> np.ndarray:
     if a.ndim == 2 and a.shape[1] > 64:
         raise AudioError(f"{name}: {a.shape[1]} channels; is the array transposed? expected (samples, channels)")
     a = to_float32(a)
-    if not np.isfinite(a).all():
-        bad = int((~np.isfinite(a)).sum())
+    bad, peak = nonfinite_and_peak(a)
+    if bad:
         raise AudioError(f"{name}: {bad} sample(s) are NaN or Inf")
-    peak = float(np.abs(a).max())
     if peak > MAX_ABS_SAMPLE:
         raise AudioError(f"{name}: sample values up to {peak:.3g}; float audio is expected in about [-1, 1] "
                          f"and must lie within +-{MAX_ABS_SAMPLE:g}")

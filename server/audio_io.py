@@ -11,7 +11,7 @@ import numpy as np
 import soundfile as sf
 
 from enhancer.errors import AudioError
-from enhancer.signal import MAX_ABS_SAMPLE, check_rate
+from enhancer.signal import MAX_ABS_SAMPLE, check_rate, nonfinite_and_peak
 
 from .errors import ServiceError
 
@@ -35,9 +35,9 @@ def check_samples(x: np.ndarray, what: str = "the audio") -> None:
     """ServiceError (invalid_audio) for NaN/Inf samples or values beyond +-MAX_ABS_SAMPLE."""
     if not x.size:
         return
-    if not np.isfinite(x).all():
+    bad, peak = nonfinite_and_peak(x)
+    if bad:
         raise ServiceError("invalid_audio", f"{what} contains NaN or Inf samples")
-    peak = float(np.abs(x).max())
     if peak > MAX_ABS_SAMPLE:
         raise ServiceError("invalid_audio", f"{what} has sample values up to {peak:.3g}; float samples must lie "
                            f"within +-{MAX_ABS_SAMPLE:g} (full scale is +-1)")

@@ -58,9 +58,9 @@ class EncoderBlock(nn.Module):
         # 1/sqrt(dh) on the queries of the step graph: folded into the QKV weights when it is a power
         # of two (exact, so float16 weight storage stays exact), else one multiply per step
         scale = self.head_dim ** -0.5
-        self.fold_scale = math.log2(scale).is_integer()
-        self.step_scale = 1.0 if self.fold_scale else scale
-        q_scale = torch.cat([torch.full((hd,), scale if self.fold_scale else 1.0), torch.ones(2 * hd)])
+        folded = math.log2(scale).is_integer()
+        self.step_scale = 1.0 if folded else scale  # what `step` still multiplies the queries by
+        q_scale = torch.cat([torch.full((hd,), scale / self.step_scale), torch.ones(2 * hd)])
         self.register_buffer("q_scale", q_scale, persistent=False)  # (3 * hd,)
 
     # ------------------------------------------------------------------ shared pieces
@@ -109,7 +109,7 @@ class EncoderBlock(nn.Module):
 
     # ------------------------------------------------------------------ one frame
     def _step_qkv(self, h: torch.Tensor):
-        """h (B, d_model) or (B, G, dm) -> q (scaled if `fold_scale`), k, v, each (B, H, 1, dh), heads mechanism-major."""
+        """h (B, d_model) or (B, G, dm) -> q (scaled unless `step_scale` != 1), k, v, each (B, H, 1, dh), heads mechanism-major."""
         g, hd, nh = self.g, self.head_dim, self.n_heads
         w, b = self.qkv.weight * self.q_scale, self.qkv.bias * self.q_scale  # constants of the graph
         if g == 1:

@@ -58,6 +58,33 @@ def stream_through(url: str, x: np.ndarray, sr: int, encoding: str, chunks, star
     return y, texts, code
 
 
+async def astream_through(url: str, x: np.ndarray, sr: int, chunks, pause_s: float):
+    """Async client: send `x` (n, 1) as f32le in chunks of the given sizes, `pause_s` apart, while
+    reading; then end. Returns (output, text messages after `ready`, close code)."""
+    out, texts = [], []
+    async with aconnect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
+        assert json.loads(await ws.recv())["type"] == "ready"
+
+        async def reader():
+            async for m in ws:
+                if isinstance(m, bytes):
+                    out.append(from_bytes(m, "f32le", 1))
+                else:
+                    texts.append(json.loads(m))
+
+        task = asyncio.create_task(reader())
+        pos = 0
+        for n in chunks:
+            await ws.send(to_bytes(x[pos:pos + n], "f32le"))
+            pos += n
+            await asyncio.sleep(pause_s)
+        assert pos == len(x)
+        await ws.send(json.dumps({"type": "end"}))
+        await task
+        return np.concatenate(out), texts, ws.close_code
+
+
 def random_chunks(n: int, rng, low=1, high=6000):
     sizes = []
     while sum(sizes) < n:
@@ -105,28 +132,11 @@ def test_16_concurrent_streams_get_their_own_audio(live, enhancer_rt):
     batches_before = (live.metrics.batch_size._sum.get(), sum(b.get() for b in live.metrics.batch_size._buckets))
 
     async def one(i):
-        rng = np.random.default_rng(i)
         x = signals[i]
-        out = []
-        async with aconnect(live.ws_url, max_size=None) as ws:
-            await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
-            assert json.loads(await ws.recv())["type"] == "ready"
-
-            async def reader():
-                async for m in ws:
-                    if isinstance(m, bytes):
-                        out.append(from_bytes(m, "f32le", 1))
-
-            task = asyncio.create_task(reader())
-            pos = 0
-            for n in random_chunks(len(x), rng, 200, 2000):
-                await ws.send(to_bytes(x[pos:pos + n], "f32le"))
-                pos += n
-                await asyncio.sleep(0.002)
-            await ws.send(json.dumps({"type": "end"}))
-            await task
-            assert ws.close_code == 1000
-        return np.concatenate(out)
+        y, _, code = await astream_through(live.ws_url, x, sr, random_chunks(len(x), np.random.default_rng(i), 200, 2000),
+                                           0.002)
+        assert code == 1000
+        return y
 
     async def all_streams():
         return await asyncio.gather(*(one(i) for i in range(16)))
@@ -296,29 +306,8 @@ def test_paced_client_is_not_rate_limited(live, enhancer_rt):
     sr, chunk = 16000, 320
     x = speechlike(4 * sr, sr, seed=15)[:, None]
     errors0 = live.metrics.errors.labels(kind="rate_limited")._value.get()
-
-    async def run():
-        out = []
-        async with aconnect(live.ws_url, max_size=None) as ws:
-            await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
-            assert json.loads(await ws.recv())["type"] == "ready"
-
-            async def reader():
-                async for m in ws:
-                    if isinstance(m, bytes):
-                        out.append(from_bytes(m, "f32le", 1))
-                    else:
-                        assert json.loads(m)["type"] == "end", m
-
-            task = asyncio.create_task(reader())
-            for i in range(0, len(x), chunk):
-                await ws.send(to_bytes(x[i:i + chunk], "f32le"))
-                await asyncio.sleep(0.01)
-            await ws.send(json.dumps({"type": "end"}))
-            await task
-            return np.concatenate(out), ws.close_code
-
-    y, code = asyncio.run(run())
+    y, texts, code = asyncio.run(astream_through(live.ws_url, x, sr, [chunk] * (len(x) // chunk), 0.01))
+    assert all(t["type"] == "end" for t in texts), texts
     assert code == 1000
     np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], sr), rtol=0, atol=1e-5)
     assert live.metrics.errors.labels(kind="rate_limited")._value.get() == errors0
