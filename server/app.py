@@ -22,6 +22,7 @@ from .errors import ServiceError
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .settings import Settings
+from .stalls import GcTimer, LoopLagMonitor
 
 log = logging.getLogger("tim_enhancer.server")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -46,9 +47,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(scheduler.start)  # loading sessions takes a moment: not on the loop
         log.info("model %s on %s, %d worker(s)", scheduler.enhancer.config.name, scheduler.enhancer.provider,
                  len(scheduler.workers))
+        lag, gc_timer = LoopLagMonitor(metrics.loop_lag), GcTimer(metrics.gc_pause)
+        lag.start()
+        gc_timer.install()
         try:
             yield
         finally:
+            gc_timer.uninstall()
+            await lag.stop()
             await run_in_threadpool(scheduler.stop)
 
     app = FastAPI(title="tim-enhancer", version=enhancer.__version__, description=DESCRIPTION, lifespan=lifespan,

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .stalls import MachineStallObserver, freeze_startup_objects
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILES = sorted((ROOT.parent / "shared" / "data" / "dev" / "valentini_p287" / "noisy").glob("*.wav"))
 RANDOM_MODEL = ROOT / "artifacts" / "loadtest" / "tim-random.onnx"
@@ -179,7 +181,42 @@ class Client:
                 self.arrivals.append(now)
 
 
-async def run_clients(url: str, audio: np.ndarray, rate: int, args) -> list[Client]:
+class LagProbe:
+    """The load generator's own event-loop lag (it shares the machine with the server): a message
+    that arrives while this process is stalled looks late although the server sent it in time.
+    Records (time, lag) of every wake-up more than `record_s` behind its 10 ms timer."""
+
+    def __init__(self, interval: float = 0.01, record_s: float = 0.01):
+        self.interval, self.record_s = interval, record_s
+        self.events: list[tuple[float, float]] = []  # (perf_counter, lag s)
+        self.max_lag = 0.0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            due = time.perf_counter() + self.interval
+            await asyncio.sleep(self.interval)
+            lag = time.perf_counter() - due
+            self.max_lag = max(self.max_lag, lag)
+            if lag > self.record_s:
+                self.events.append((due, lag))
+
+    def stalls(self, over_s: float) -> int:
+        return sum(lag > over_s for _, lag in self.events)
+
+
+async def run_clients(url: str, audio: np.ndarray, rate: int, args, probe: LagProbe | None = None) -> list[Client]:
+    """Run the clients (and `probe`, if given, alongside them) until every stream has ended."""
+    stop = asyncio.Event()
+    probing = asyncio.create_task(probe.run(stop)) if probe else None
+    try:
+        return await _run_clients(url, audio, rate, args)
+    finally:
+        stop.set()
+        if probing:
+            await probing
+
+
+async def _run_clients(url: str, audio: np.ndarray, rate: int, args) -> list[Client]:
     chunk = int(rate * args.chunk_ms / 1000)
     rng = np.random.default_rng(0)
     clients = [Client(i, audio, rate, chunk, int(rng.integers(len(audio)))) for i in range(args.streams)]
@@ -212,9 +249,34 @@ def scrape(url: str) -> dict[str, float]:
     values = {}
     for line in metrics_lines(url, timeout=5):
         name = line.split(" ")[0]
-        if name in ("tim_step_seconds_sum", "tim_step_seconds_count", "tim_batch_size_sum", "tim_batch_size_count"):
+        if name in ("tim_step_seconds_sum", "tim_step_seconds_count", "tim_batch_size_sum", "tim_batch_size_count",
+                    "tim_event_loop_lag_seconds_count", 'tim_event_loop_lag_seconds_bucket{le="0.032"}',
+                    'tim_gc_pause_seconds_count{generation="2"}', 'tim_gc_pause_seconds_sum{generation="2"}'):
             values[name] = float(line.split()[-1])
     return values
+
+
+def late_attribution(clients, budget_ms: float, observer: MachineStallObserver) -> dict:
+    """Late messages that arrived during or just after a stall of the whole machine (seen by an
+    idle observer process), and the rest: the ones the service is answerable for."""
+    late_at = [a for c in clients for a, lat in zip(c.arrivals, c.latencies) if lat * 1000 > budget_ms]
+    explained = sum(observer.explains(a) for a in late_at)
+    big = [lag for _, lag in observer.events if lag > 0.032]
+    return {"machine_stalls": len(big), "machine_stall_max_ms": round(1000 * max(big), 1) if big else 0.0,
+            "late_in_machine_stalls": explained, "late_other": len(late_at) - explained}
+
+
+def stall_figures(d: dict[str, float], probe: LagProbe | None) -> dict:
+    """Server loop stalls (> 32 ms), server full collections, and the load generator's own stalls,
+    from scrape() differences and the client's probe."""
+    lag_n = d.get("tim_event_loop_lag_seconds_count", 0.0)
+    return {
+        "server_loop_stalls": int(lag_n - d.get('tim_event_loop_lag_seconds_bucket{le="0.032"}', lag_n)),
+        "server_full_gcs": int(d.get('tim_gc_pause_seconds_count{generation="2"}', 0.0)),
+        "server_full_gc_ms": round(1000 * d.get('tim_gc_pause_seconds_sum{generation="2"}', 0.0), 1),
+        "client_loop_stalls": probe.stalls(0.032) if probe else None,
+        "client_loop_max_lag_ms": round(1000 * probe.max_lag, 1) if probe else None,
+    }
 
 
 async def measure(url: str, audio, rate, args, server_pid) -> dict:
@@ -224,7 +286,11 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
     sampler = asyncio.create_task(sample_stats(stats, stop))
     m0 = await asyncio.to_thread(scrape, url)
     cpu0, my0, all0, t0 = stats.cpu_seconds(), me.cpu_seconds(), machine_busy_seconds(), time.perf_counter()
-    clients = await run_clients(url, audio, rate, args)
+    probe, observer = LagProbe(), MachineStallObserver().start()
+    try:
+        clients = await run_clients(url, audio, rate, args, probe)
+    finally:
+        observer.stop()
     wall = time.perf_counter() - t0
     cpu1, my1, all1 = stats.cpu_seconds(), me.cpu_seconds(), machine_busy_seconds()
     m1 = await asyncio.to_thread(scrape, url)
@@ -248,7 +314,7 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
         "mean_step_ms": 1000 * d.get("tim_step_seconds_sum", 0.0) / steps if steps else None,
         "step_busy_pct": 100 * d.get("tim_step_seconds_sum", 0.0) / wall,
         "complete": all(c.samples_out == len(c.sent_times) * c.chunk for c in clients if not c.error),
-    }
+    } | stall_figures(d, probe) | late_attribution(clients, budget, observer)
 
 
 def main(argv=None) -> int:
@@ -279,6 +345,7 @@ def main(argv=None) -> int:
 
             ready = httpx.get(url.replace("ws", "http", 1).rsplit("/v1/", 1)[0] + "/readyz", timeout=5).json()
             args.budget_ms = ready["latency_ms"] + args.chunk_ms + 64.0
+        freeze_startup_objects()
         result = asyncio.run(measure(url, audio, rate, args, pid))
     finally:
         if proc is not None:
@@ -295,6 +362,12 @@ def main(argv=None) -> int:
         if result["steps"]:
             print(f"  {result['steps']} steps, mean batch {result['mean_batch']:.1f} lanes, mean step "
                   f"{result['mean_step_ms']:.2f} ms, inference busy {result['step_busy_pct']:.0f} % of one core")
+        print(f"  machine stalls > 32 ms (idle observer process): {result['machine_stalls']} (max "
+              f"{result['machine_stall_max_ms']} ms); late messages within 1.5 s of one: "
+              f"{result['late_in_machine_stalls']}, other late messages: {result['late_other']}")
+        print(f"  stalls > 32 ms: server event loop {result['server_loop_stalls']}, load generator "
+              f"{result['client_loop_stalls']} (its max {result['client_loop_max_lag_ms']} ms); server full "
+              f"collections {result['server_full_gcs']} ({result['server_full_gc_ms']} ms in total)")
         for e in result["errors"][:10]:
             print("  error:", e)
     return 0 if not result["errors"] and result["complete"] else 1

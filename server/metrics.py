@@ -7,6 +7,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .errors import KINDS
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.032, 0.064, 0.1, 0.25, 0.5, 1.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.012, 0.016, 0.024, 0.032, 0.048, 0.064, 0.1, 0.25)
 
 
@@ -28,6 +29,10 @@ class Metrics:
         self.stalled = Counter("tim_stalled_connections", "Connections dropped because the client read nothing for "
                                "idle_timeout_s while output waited", registry=r)
         self.stream_seconds = Counter("tim_stream_audio_seconds", "Audio received on websocket streams", registry=r)
+        self.loop_lag = Histogram("tim_event_loop_lag_seconds", "How late the event loop ran a 50 ms timer",
+                                  buckets=LAG_BUCKETS, registry=r)
+        self.gc_pause = Histogram("tim_gc_pause_seconds", "Duration of each cyclic garbage collection", ["generation"],
+                                  buckets=LAG_BUCKETS, registry=r)
         for kind in KINDS:
             self.errors.labels(kind=kind)
         for source in ("stream", "rest"):

@@ -15,6 +15,7 @@ import uvicorn
 from enhancer.errors import EnhancerError
 
 from .settings import Settings
+from .stalls import freeze_startup_objects
 
 
 class StartupError(EnhancerError, RuntimeError):
@@ -88,6 +89,9 @@ def serve(app, settings: Settings, host: str, port: int) -> None:
         raise
     except RuntimeError as e:
         raise StartupError(str(e)) from None
+    # what start-up allocated lives as long as the process: keep it out of every full collection,
+    # which would otherwise stop all streams for tens of milliseconds (see server.stalls)
+    freeze_startup_objects()
     try:
         sock = listen(host, port)
     except StartupError:

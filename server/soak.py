@@ -65,12 +65,22 @@ async def soak(url: str, pid: int, audio, rate: int, args) -> dict:
     t0 = time.perf_counter()
     task = asyncio.create_task(sampler(pid, t0, args.sample_s, stop, samples))
     errors0 = await asyncio.to_thread(server_errors, url)
+    m0 = await asyncio.to_thread(loadtest.scrape, url)
     load = argparse.Namespace(streams=args.streams, seconds=args.minutes * 60, chunk_ms=args.chunk_ms)
-    clients = await loadtest.run_clients(url, audio, rate, load)
+    probe, observer = loadtest.LagProbe(), loadtest.MachineStallObserver().start()
+    try:
+        clients = await loadtest.run_clients(url, audio, rate, load, probe)
+    finally:
+        observer.stop()
     errors1 = await asyncio.to_thread(server_errors, url)
+    m1 = await asyncio.to_thread(loadtest.scrape, url)
     stop.set()
     await task
-    return {"clients": clients, "samples": samples, "t0": t0,
+    stalls = loadtest.stall_figures({k: m1[k] - m0.get(k, 0.0) for k in m1}, probe)
+    stalls |= loadtest.late_attribution(clients, args.budget_ms, observer)
+    return {"clients": clients, "samples": samples, "t0": t0, "stalls": stalls,
+            "client_stalls": [(t - t0, lag) for t, lag in probe.events],
+            "machine_stalls": [(t - t0, lag) for t, lag in observer.events],
             "server_errors": {k: v - errors0.get(k, 0) for k, v in errors1.items() if v - errors0.get(k, 0)}}
 
 
@@ -155,11 +165,16 @@ def summarize(run: dict, cyc: dict | None, args, budget_ms: float) -> dict:
         "client_errors": errors, "server_errors": run["server_errors"], "complete": complete, "rss": growth,
         "fds": [run["samples"][0]["fds"], run["samples"][-1]["fds"]] if run["samples"] else None,
         "cycles": cyc, "windows": windows(clients, run["t0"], args.minutes * 60, args.window_s, budget_ms),
-        "samples": run["samples"],
+        "samples": run["samples"], "stalls": run["stalls"], "client_stalls": run["client_stalls"],
+        "machine_stalls": run["machine_stalls"],
     }
-    result["pass"] = bool(result["late"] == 0 and not errors and not run["server_errors"] and complete
-                          and growth["growth_pct"] is not None and growth["growth_pct"] < args.max_growth_pct
-                          and (cyc is None or (cyc["rss_growth_mb"] < args.max_cycle_growth_mb and cyc["fd_growth"] <= 2)))
+    rest_ok = bool(not errors and not run["server_errors"] and complete
+                   and growth["growth_pct"] is not None and growth["growth_pct"] < args.max_growth_pct
+                   and (cyc is None or (cyc["rss_growth_mb"] < args.max_cycle_growth_mb and cyc["fd_growth"] <= 2)))
+    result["pass"] = rest_ok and result["late"] == 0
+    # the same verdict when late messages during and right after stalls of the whole machine (which
+    # an idle observer process sees too) are set aside: what the service itself is answerable for
+    result["pass_outside_machine_stalls"] = rest_ok and run["stalls"]["late_other"] == 0
     return result
 
 
@@ -170,6 +185,13 @@ def table(r: dict) -> str:
             ("latency p50 / p99 / max", f"{r['latency_p50_ms']} / {r['latency_p99_ms']} / {r['latency_max_ms']} ms"),
             ("errors (clients, server)", f"{len(r['client_errors'])}, {sum(r['server_errors'].values()):g}"),
             ("all output received", str(r["complete"])),
+            ("late messages within 1.5 s of a machine stall / other",
+             f"{r['stalls']['late_in_machine_stalls']} / {r['stalls']['late_other']} (machine stalls > 32 ms seen by an "
+             f"idle observer process: {r['stalls']['machine_stalls']}, longest {r['stalls']['machine_stall_max_ms']} ms)"),
+            ("stalls > 32 ms: server loop, load generator",
+             f"{r['stalls']['server_loop_stalls']}, {r['stalls']['client_loop_stalls']} (load generator max "
+             f"{r['stalls']['client_loop_max_lag_ms']} ms); server full collections {r['stalls']['server_full_gcs']} "
+             f"({r['stalls']['server_full_gc_ms']} ms)"),
             ("server RSS after warm-up -> end (peak)",
              f"{rss['base_mb']} -> {rss['end_mb']} MB ({rss['growth_pct']:+.2f} %; second half "
              f"{rss['second_half_growth_pct']:+.2f} %; peak {rss['peak_mb']} MB)"),
@@ -178,7 +200,8 @@ def table(r: dict) -> str:
         rows.append((f"{cyc['cycles']} connect/disconnect cycles",
                      f"RSS {cyc['before']['rss_mb']:.1f} -> {cyc['after']['rss_mb']:.1f} MB "
                      f"({cyc['rss_growth_mb']:+.1f} MB), descriptors {cyc['fd_growth']:+d}, {cyc['seconds']} s"))
-    rows.append(("pass", str(r["pass"])))
+    rows.append(("pass (0 late)", str(r["pass"])))
+    rows.append(("pass, late messages in machine stalls set aside", str(r["pass_outside_machine_stalls"])))
     return "| measure | value |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n"
 
 
@@ -201,7 +224,10 @@ def plot(r: dict, path: Path) -> None:
     ax[1].legend(loc="upper right")
     ax[2].bar([x["t"] / 60 for x in w], [x["late"] for x in w], width=(w[1]["t"] - w[0]["t"]) / 60 if len(w) > 1 else 0.1,
               color="tab:red", align="edge")
-    ax[2].set_ylabel("late messages")
+    for t, lag in r.get("machine_stalls", []):
+        if lag > 0.032:
+            ax[2].axvline(t / 60, color="tab:purple", lw=0.6, alpha=0.6)
+    ax[2].set_ylabel("late messages\n(purple: machine\nstalled > 32 ms)")
     ax[2].set_xlabel("minutes")
     fig.suptitle(f"soak: {r['streams']} real-time streams, {r['minutes']:g} min; late {r['late']} of {r['messages']:,}")
     fig.tight_layout()
@@ -247,6 +273,8 @@ def main(argv=None) -> int:
 
         base = url.replace("ws", "http", 1).rsplit("/v1/", 1)[0]
         budget = args.budget_ms or httpx.get(base + "/readyz", timeout=5).json()["latency_ms"] + args.chunk_ms + 64.0
+        args.budget_ms = budget
+        loadtest.freeze_startup_objects()  # the load generator's full collections would look like late audio
         run = asyncio.run(soak(url, pid, audio, rate, args))
         host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
         cyc = cycles(host, int(port), args.cycles, pid) if args.cycles else None

@@ -1,0 +1,133 @@
+"""What can hold up a live stream outside inference: event-loop lag and garbage-collector pauses.
+
+A websocket stream has about 64 ms of slack per message (see `server.loadtest`); the event loop
+receives, decodes and sends every message, so anything that blocks it for tens of milliseconds
+makes every stream late at once. Two sources are measured and exported as metrics:
+
+* `LoopLagMonitor`: a task that sleeps `interval` and records how much later than asked it woke up
+  (`tim_event_loop_lag_seconds`).
+* `GcTimer`: the duration of every cyclic garbage collection, by generation
+  (`tim_gc_pause_seconds`), from `gc.callbacks`.
+
+`freeze_startup_objects()` moves everything alive after start-up (FastAPI, pydantic, numpy,
+onnxruntime bindings: several hundred thousand objects) into the collector's permanent generation,
+so a full collection scans only what streams allocate, not the whole process.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+
+def freeze_startup_objects() -> int:
+    """Collect once, then freeze what is left; returns the number of frozen objects."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class GcTimer:
+    """Observes the duration of each collection into `histogram` (labelled by generation) while
+    installed. Collections are stop-the-world for the interpreter: one start/stop pair at a time."""
+
+    def __init__(self, histogram):
+        self.histogram = histogram
+        self._t0 = 0.0
+        self.installed = False
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.histogram.labels(generation=str(info.get("generation", "?"))).observe(time.perf_counter() - self._t0)
+
+    def install(self) -> None:
+        if not self.installed:
+            gc.callbacks.append(self)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            gc.callbacks.remove(self)
+            self.installed = False
+
+
+class LoopLagMonitor:
+    """Records into `histogram` how late the event loop runs a timer set `interval` seconds ahead."""
+
+    def __init__(self, histogram, interval: float = 0.05):
+        self.histogram, self.interval = histogram, interval
+        self.max_lag = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval
+            await asyncio.sleep(self.interval)
+            lag = max(0.0, loop.time() - due)
+            self.max_lag = max(self.max_lag, lag)
+            self.histogram.observe(lag)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+
+# ---------------------------------------------------------------------------------- machine stalls
+_OBSERVER = r"""
+import sys, time
+interval, record = float(sys.argv[1]), float(sys.argv[2])
+out = sys.stdout
+while True:
+    due = time.perf_counter() + interval
+    time.sleep(interval)
+    now = time.perf_counter()
+    if now - due > record:
+        out.write(f"{due:.6f} {now - due:.6f}\n")
+        out.flush()
+"""
+
+
+class MachineStallObserver:
+    """A separate, almost idle process that wakes every `interval` and reports each wake-up more
+    than `record_s` late. It competes for nothing, so when it stalls together with the server and
+    the load generator, the whole machine (virtual CPU descheduled by the host, for instance) was
+    stalled, not the service. Times are CLOCK_MONOTONIC (`time.perf_counter`), shared by all
+    processes of the machine."""
+
+    def __init__(self, interval: float = 0.005, record_s: float = 0.02):
+        self.interval, self.record_s = interval, record_s
+        self.proc = None
+        self.events: list[tuple[float, float]] = []  # (perf_counter when due, lag s)
+
+    def start(self) -> "MachineStallObserver":
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _OBSERVER, str(self.interval), str(self.record_s)],
+                                     stdout=subprocess.PIPE, text=True)
+        return self
+
+    def stop(self) -> list[tuple[float, float]]:
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.events = [(float(a), float(b)) for a, b in (ln.split() for ln in out.splitlines() if ln.strip())]
+            self.proc = None
+        return self.events
+
+    def explains(self, arrival: float, over_s: float = 0.032, recovery_s: float = 1.5) -> bool:
+        """Whether a message arriving at `arrival` (perf_counter) came within `recovery_s` after the
+        end of a machine stall longer than `over_s` (the backlog of a stall takes a moment to clear)."""
+        return any(lag > over_s and t <= arrival <= t + lag + recovery_s for t, lag in self.events)
