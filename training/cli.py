@@ -6,6 +6,7 @@
     enhancer-train plot --model MODEL --noisy FILE --clean FILE --out fig.png
     enhancer-train plot --metrics runs/tim/metrics.csv --out curves.png
     enhancer-train competition --model MODEL --noisy DIR --clean DIR --out report/
+    enhancer-train ablation --run runs/baseline --eval reports/baseline --run runs/tim --eval reports/tim
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from enhancer import ModelConfig
 from enhancer.errors import EnhancerError
 
+from .ablation import add_ablation
 from .competition import add_competition
 from .evaluate import add_eval
 from .manifests import DataError
@@ -154,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_competition(sub)
     add_devset(sub)
     add_bench_peers(sub)
+    add_ablation(sub)
     return parser
 
 
