@@ -70,6 +70,8 @@ def add_fit(sub) -> None:
     p.add_argument("--snr", type=float, nargs=2, metavar=("LO", "HI"), help="SNR range in dB (default 0 40)")
     p.add_argument("--level", type=float, nargs=2, metavar=("LO", "HI"), help="speech level range in dBFS (default -35 -15)")
     p.add_argument("--p-clean", type=float, help="share of noise-free examples (default 0.05)")
+    p.add_argument("--loss-floor", type=float, help="the loss compares log(|S| + floor) (default: the model's log_eps, "
+                   "1e-4; e.g. 1e-2 so that inaudibly quiet bins do not dominate); inputs are unchanged")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                    help="autocast precision (auto: fp32 on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores / processes)")
@@ -132,7 +134,7 @@ def cmd_fit(args) -> int:
         valid_examples=args.valid_examples, valid_seconds=args.valid_seconds,
         checkpoint_minutes=args.checkpoint_minutes, keep_last=args.keep_last, log_every=args.log_every,
         seed=args.seed, precision=args.precision, threads=args.threads, norm_examples=args.norm_examples,
-        cache_dir=args.cache_dir, jobs=args.jobs, quiet=args.quiet,
+        cache_dir=args.cache_dir, jobs=args.jobs, quiet=args.quiet, loss_floor=args.loss_floor,
     )
     result = fit(opts, data)
     if not args.quiet and _is_main():

@@ -38,7 +38,7 @@ from .data import MixConfig, Synthesizer, validation_set
 from .distributed import Dist
 from .layouts import TrainingData
 from .manifests import describe
-from .objective import band_weight, batch_loss, feature_stats
+from .objective import band_weight, batch_loss, feature_stats, floored_estimate, refloor
 from .progress import Progress
 
 METRICS_COLUMNS = ("step", "examples", "hours", "split", "loss", "lr", "audio_s_per_s", "grad_norm")
@@ -72,6 +72,7 @@ class FitOptions:
     cache_dir: Path | None = None
     jobs: int | None = None  # processes decoding audio into the cache
     quiet: bool = False
+    loss_floor: float | None = None  # None: the model's log_eps (see training.objective)
 
 
 def choose_precision(requested: str, device: torch.device) -> str:
@@ -268,7 +269,7 @@ class Trainer:
         dev = d.device
         noisy, clean, bw = (torch.from_numpy(a).to(dev) for a in (noisy, clean, bw))
         self.opt.zero_grad(set_to_none=True)
-        loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast)
+        loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.opt)
@@ -302,7 +303,11 @@ class Trainer:
                 gains, _ = self.core(x, pad_end=False)  # (b, T - L, F)
             t = gains.shape[1]
             w = band_weight(bw, cfg).expand(-1, t, -1)
-            e = (self.core.estimate_logmag(x[:, :t], gains.float()) - y[:, :t]) ** 2
+            floor = self.opts.loss_floor
+            if floor is None or floor == cfg.log_eps:
+                e = (self.core.estimate_logmag(x[:, :t], gains.float()) - y[:, :t]) ** 2
+            else:
+                e = (floored_estimate(x[:, :t], gains.float(), cfg.log_eps, floor) - refloor(y[:, :t], cfg.log_eps, floor)) ** 2
             err += float((e * w).sum())
             count += float(w.sum())
         self.core.train()

@@ -1,5 +1,10 @@
 """The training objective on waveforms: log-magnitude features, the band mask of band-limited
-sources, the MSE of the model's log-magnitude estimate, and the feature statistics."""
+sources, the MSE of the model's log-magnitude estimate, and the feature statistics.
+
+The loss is the MSE between log(|S^| + floor) and log(|S| + floor). By default the floor is the
+model's feature epsilon (`log_eps`, 1e-4 of full scale), as in the paper; a larger `loss_floor`
+(e.g. 1e-2, about 60 dB below loud speech bins) keeps bins far below anything audible, where clean
+speech has next to no energy, from dominating the error. The model's inputs do not change."""
 from __future__ import annotations
 
 import torch
@@ -16,7 +21,8 @@ def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return (freqs[None, :] <= bandwidth_hz[:, None] + 1e-3).float()[:, None, :]  # (B, 1, F)
 
 
-def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast) -> torch.Tensor:
+def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
+               loss_floor: float | None = None) -> torch.Tensor:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
     cfg = core.config
     x = features.log_magnitude(features.stft(noisy, cfg.stft), cfg.log_eps)  # (B, T, F)
@@ -25,7 +31,24 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
         gains, _ = net(x, pad_end=False)  # (B, T - L, F)
     t = gains.shape[1]
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
-    return loss_fn(core, x[:, :t], y[:, :t], gains.float(), w)
+    if loss_floor is None or loss_floor == cfg.log_eps:
+        return loss_fn(core, x[:, :t], y[:, :t], gains.float(), w)
+    return weighted_mse(floored_estimate(x[:, :t], gains.float(), cfg.log_eps, loss_floor),
+                        refloor(y[:, :t], cfg.log_eps, loss_floor), w)
+
+
+def refloor(logmag: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
+    """log(|X| + eps) -> log(|X| + floor)."""
+    return torch.log((logmag.exp() - eps).clamp_min(0.0) + floor)
+
+
+def floored_estimate(noisy_logmag: torch.Tensor, gains: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
+    """log(gain * |X| + floor) from the noisy log(|X| + eps)."""
+    return torch.log(gains * (noisy_logmag.exp() - eps).clamp_min(0.0) + floor)
+
+
+def weighted_mse(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (((a - b) ** 2) * w).sum() / w.sum().clamp_min(1.0)
 
 
 def feature_stats(synth: Synthesizer, n_examples: int, cfg: ModelConfig, batch: int = 32):

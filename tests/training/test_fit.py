@@ -210,3 +210,15 @@ def test_init_fine_tunes_from_shipped_style_weights(corpus, tiny_config, cache_d
     assert torch.equal(tuned.feat_mean, trained.feat_mean.half().float())
     assert float(losses(ft)[1]) < 0.9 * float(losses(fresh)[1])
     assert main(fit_args(corpus, tiny_config, cache_dir, tmp_path / "bad", 5, "--init", str(tmp_path / "none.pt"))) == 2
+
+
+def test_loss_floor_is_recorded_and_changes_the_objective(corpus, tiny_config, cache_dir, tmp_path):
+    """--loss-floor reaches the objective: the same data and seed give another first loss (the
+    floored one is smaller: quiet bins count less), and train.json records it."""
+    import json
+
+    plain, floored = tmp_path / "plain", tmp_path / "floored"
+    assert main(fit_args(corpus, tiny_config, cache_dir, plain, 2)) == 0
+    assert main(fit_args(corpus, tiny_config, cache_dir, floored, 2, "--loss-floor", "1e-2")) == 0
+    assert json.loads((floored / "train.json").read_text())["options"]["loss_floor"] == 1e-2
+    assert float(losses(floored)[1]) < 0.8 * float(losses(plain)[1])
