@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import AudioError, CheckpointError
-from .layout import STEP_FORMAT, init_caches, input_names, output_names, state_specs, write_rings
+from .layout import STEP_FORMAT, init_caches, input_names, output_names, state_specs
 from .signal import StreamResampler, check_audio, check_rate
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -113,7 +113,12 @@ class LanePool:
 
     def __init__(self, engine: Engine, capacity: int):
         self.engine, self.capacity = engine, capacity
-        self.caches = init_caches(engine.config, capacity)
+        caches = init_caches(engine.config, capacity)
+        n_s = engine.n_state
+        # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
+        # are written with one assignment; each ring, and each lane range of it, is a contiguous view
+        self.rings = np.stack(caches[n_s:])
+        self.caches = caches[:n_s] + list(self.rings)
         self.pos = np.zeros(capacity, dtype=np.int64)
         self.free_lanes = list(range(capacity))
         self.lock = threading.Lock()
@@ -148,8 +153,10 @@ class LanePool:
         lo, hi = int(lanes.min()), int(lanes.max()) + 1
         idx = lanes - lo
         if hi - lo == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
+            sel = slice(None)  # the lanes are the whole range, in order: plain views, no gathers
             h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
         else:
+            sel = idx
             h = np.zeros((hi - lo, hops.shape[1]), dtype=np.float32)
             g = np.zeros(hi - lo, dtype=np.float32)
             h[idx], g[idx] = hops, min_gain
@@ -157,12 +164,13 @@ class LanePool:
         pos = self.pos[lo:hi]
         o = eng.run(h, g, pos.copy(), views)
         n_s = eng.n_state
-        write_rings(views[n_s:], o[eng.n_head - 1][idx], pos[idx], eng.config.window, batch=idx)
+        rows = o[eng.n_head - 1][sel]  # (k, H, 2N, dh)
+        self.rings[:, lanes, :, pos[sel] % eng.config.window] = rows.transpose(0, 2, 1, 3)
         for view, new in zip(views[:n_s], o[eng.n_head:]):
-            view[idx] = new[idx]
-        pos[idx] += 1
-        comp = o[1][idx] if eng.with_comp else None
-        return StepResult(out=o[0][idx], competition=comp, activity=o[eng.n_head - 2][idx])
+            view[sel] = new[sel]
+        pos[sel] += 1
+        comp = o[1][sel] if eng.with_comp else None
+        return StepResult(out=o[0][sel], competition=comp, activity=o[eng.n_head - 2][sel])
 
 
 class StreamingEnhancer:
