@@ -9,7 +9,9 @@ settings (train.json), the audio seen and wall time (the last row of metrics.csv
 validation loss, and counts the parameters; from the matching `eval --out` report (summary.json)
 the noisy and enhanced PESQ-WB, STOI, SI-SDR and DNSMOS OVRL. Runs compared this way should share
 data, budget (audio-seconds seen) and scorer; the table shows the budget so that this can be
-checked, and warns when the budgets differ by more than 5 %.
+checked, and warns when the budgets differ by more than 5 %. A second table gives each run's
+paired difference from the first run, file by file (per_file.csv), with a 95 % bootstrap
+confidence interval: a difference whose interval spans 0 is not one this dev set can tell apart.
 """
 from __future__ import annotations
 
@@ -51,6 +53,42 @@ def run_row(run_dir, eval_dir) -> dict:
         "best_valid_loss": best[1], "best_valid_step": best[0], "snr_db": train["mix"].get("snr_db"),
         "files": summary.get("files"), "noisy": summary["noisy"], "enhanced": summary["enhanced"],
     }
+
+
+def per_file(eval_dir) -> dict[str, dict[str, float]]:
+    """name -> {metric: enhanced score} from an eval report's per_file.csv."""
+    path = Path(eval_dir) / "per_file.csv"
+    if not path.is_file():
+        raise DataError(f"{path}: not found")
+    with open(path, newline="") as f:
+        return {r["name"]: {k: float(r[f"enhanced_{k}"]) for k, _, _ in METRICS if f"enhanced_{k}" in r}
+                for r in csv.DictReader(f)}
+
+
+def paired(reference: dict, other: dict, metric: str, resamples: int = 2000, seed: int = 0):
+    """Mean of other - reference over the files both scored, and its 95 % bootstrap interval."""
+    import numpy as np
+
+    names = sorted(set(reference) & set(other))
+    d = np.array([other[n][metric] - reference[n][metric] for n in names if metric in other[n] and metric in reference[n]])
+    if not d.size:
+        return None
+    idx = np.random.default_rng(seed).integers(0, d.size, (resamples, d.size))
+    means = d[idx].mean(axis=1)
+    return float(d.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5)), int(d.size)
+
+
+def difference_table(rows: list[dict], files: list[dict]) -> str:
+    ref = rows[0]["preset"]
+    head = ["system"] + [f"{m[1]} - `{ref}` [95 % CI]" for m in METRICS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r, f in zip(rows[1:], files[1:]):
+        cells = []
+        for k, _, d in METRICS:
+            p = paired(files[0], f, k)
+            cells.append("-" if p is None else f"{p[0]:+.{d}f} [{p[1]:+.{d}f}, {p[2]:+.{d}f}]")
+        lines.append(f"| `{r['preset']}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def parameters(cfg: ModelConfig) -> int:
@@ -99,6 +137,8 @@ def cmd_ablation(args) -> int:
         raise DataError(f"give one --eval per --run ({len(args.run)} runs, {len(args.eval)} reports)")
     rows = [run_row(r, e) for r, e in zip(args.run, args.eval)]
     text = table(rows)
+    if len(rows) > 1:
+        text += "\n" + difference_table(rows, [per_file(e) for e in args.eval])
     warning = budget_warning(rows)
     print(text, end="")
     if warning:

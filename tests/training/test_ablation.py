@@ -27,6 +27,10 @@ def fake_run(root, name, examples, wall_h, valid, pesq, segment=2.0, files=10):
     scores = {"pesq_wb": pesq, "stoi": 0.8, "estoi": 0.6, "si_sdr": 9.0, "dnsmos_ovrl": 2.5}
     (report / "summary.json").write_text(json.dumps({"files": files, "noisy": scores | {"pesq_wb": 1.5},
                                                      "enhanced": scores}))
+    # per file: PESQ-WB pesq + 0.1 * (i - 2) for files f0..f4 (mean = pesq); the other metrics fixed
+    lines = ["name,seconds,noisy_pesq_wb,enhanced_pesq_wb,enhanced_stoi,enhanced_si_sdr,enhanced_dnsmos_ovrl"]
+    lines += [f"f{i}.wav,9.0,1.5,{pesq + 0.1 * (i - 2)},0.8,9.0,2.5" for i in range(5)]
+    (report / "per_file.csv").write_text("\n".join(lines) + "\n")
     return str(run), str(report), count_parameters(build_model(cfg))
 
 
@@ -41,8 +45,22 @@ def test_table_reads_budget_best_loss_parameters_and_scores(tmp_path, capsys):
     assert lines[3] == f"| `baseline` | {pb:,} | 2.00 | 0.50 | 1.7000 | 1.750 | **0.800** | **9.00** | **2.50** |"
     assert lines[4].startswith(f"| `tim` | {pt:,} | 2.00 | 0.80 | 1.6000 | **1.810** |")
     assert "warning" not in text
+    # paired difference from the first run: every file +0.06 -> mean +0.060, interval collapsed on it
+    assert lines[8] == "| `tim` | +0.060 [+0.060, +0.060] | +0.000 [+0.000, +0.000] | +0.00 [+0.00, +0.00] | +0.00 [+0.00, +0.00] |"
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [r["best_valid_step"] for r in rows] == [20, 20] and out.read_text() == text
+
+
+def test_paired_interval_covers_the_mean_and_spans_zero_for_noise():
+    from training.ablation import paired
+
+    ref = {f"f{i}": {"pesq_wb": 2.0} for i in range(50)}
+    noise = {f"f{i}": {"pesq_wb": 2.0 + (0.1 if i % 2 else -0.1)} for i in range(50)}
+    mean, lo, hi, n = paired(ref, noise, "pesq_wb")
+    assert n == 50 and abs(mean) < 1e-12 and lo < 0 < hi
+    better = {f"f{i}": {"pesq_wb": 2.2 + (0.1 if i % 2 else -0.1)} for i in range(50)}
+    mean, lo, hi, _ = paired(ref, better, "pesq_wb")
+    assert abs(mean - 0.2) < 1e-9 and 0.15 < lo < mean < hi < 0.25
 
 
 def test_unequal_budgets_are_flagged_and_missing_reports_are_errors(tmp_path, capsys):
