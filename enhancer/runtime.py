@@ -117,7 +117,8 @@ class LanePool:
         n_s = engine.n_state
         # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
         # are written with one assignment; each ring, and each lane range of it, is a contiguous view
-        self.rings = np.stack(caches[n_s:])
+        # (np.zeros, not np.stack: pages of lanes never used are never touched, so they cost no memory)
+        self.rings = np.zeros((len(caches) - n_s,) + caches[n_s].shape, dtype=np.float32)
         self.caches = caches[:n_s] + list(self.rings)
         self.pos = np.zeros(capacity, dtype=np.int64)
         self.free_lanes = list(range(capacity))

@@ -31,7 +31,7 @@ class Metrics:
         self.stream_seconds = Counter("tim_stream_audio_seconds", "Audio received on websocket streams", registry=r)
         self.loop_lag = Histogram("tim_event_loop_lag_seconds", "How late the event loop ran a 50 ms timer",
                                   buckets=LAG_BUCKETS, registry=r)
-        self.gc_pause = Histogram("tim_gc_pause_seconds", "Duration of each cyclic garbage collection", ["generation"],
+        self.gc_pause = Histogram("tim_gc_pause_seconds", "Duration of each collection of generation 1 or 2", ["generation"],
                                   buckets=LAG_BUCKETS, registry=r)
         for kind in KINDS:
             self.errors.labels(kind=kind)

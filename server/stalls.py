@@ -28,19 +28,24 @@ def freeze_startup_objects() -> int:
 
 
 class GcTimer:
-    """Observes the duration of each collection into `histogram` (labelled by generation) while
-    installed. Collections are stop-the-world for the interpreter: one start/stop pair at a time."""
+    """Observes the duration of each collection of generation 1 and 2 into `histogram` (labelled by
+    generation) while installed. Young-generation collections run hundreds of times a second and
+    take microseconds: they are not timed, so that the callback itself costs next to nothing."""
 
     def __init__(self, histogram):
         self.histogram = histogram
+        self._by_gen = {g: histogram.labels(generation=str(g)) for g in (1, 2)}
         self._t0 = 0.0
         self.installed = False
 
     def __call__(self, phase: str, info: dict) -> None:
+        child = self._by_gen.get(info.get("generation"))
+        if child is None:
+            return
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
-            self.histogram.labels(generation=str(info.get("generation", "?"))).observe(time.perf_counter() - self._t0)
+            child.observe(time.perf_counter() - self._t0)
 
     def install(self) -> None:
         if not self.installed:
