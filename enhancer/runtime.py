@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import AudioError, CheckpointError
-from .layout import STEP_FORMAT, init_caches, input_names, output_names, state_specs
+from .layout import STEP_FORMAT, input_names, output_names, ring_specs, state_specs
 from .signal import StreamResampler, check_audio, check_rate
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -113,13 +113,14 @@ class LanePool:
 
     def __init__(self, engine: Engine, capacity: int):
         self.engine, self.capacity = engine, capacity
-        caches = init_caches(engine.config, capacity)
-        n_s = engine.n_state
+        cfg = engine.config
+        states = [np.zeros((capacity,) + shape, dtype=np.float32) for _, shape in state_specs(cfg)]
+        rings = ring_specs(cfg)
         # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
         # are written with one assignment; each ring, and each lane range of it, is a contiguous view
-        # (np.zeros, not np.stack: pages of lanes never used are never touched, so they cost no memory)
-        self.rings = np.zeros((len(caches) - n_s,) + caches[n_s].shape, dtype=np.float32)
-        self.caches = caches[:n_s] + list(self.rings)
+        # (np.zeros: pages of lanes never used are never touched, so they cost no memory)
+        self.rings = np.zeros((len(rings), capacity) + rings[0][1], dtype=np.float32)
+        self.caches = states + list(self.rings)
         self.pos = np.zeros(capacity, dtype=np.int64)
         self.free_lanes = list(range(capacity))
         self.lock = threading.Lock()

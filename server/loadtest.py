@@ -204,19 +204,21 @@ class LagProbe:
         return sum(lag > over_s for _, lag in self.events)
 
 
-async def run_clients(url: str, audio: np.ndarray, rate: int, args, probe: LagProbe | None = None) -> list[Client]:
-    """Run the clients (and `probe`, if given, alongside them) until every stream has ended."""
-    stop = asyncio.Event()
-    probing = asyncio.create_task(probe.run(stop)) if probe else None
+async def run_observed(url: str, audio: np.ndarray, rate: int, args):
+    """run_clients with the load generator's lag probe alongside and the machine-stall observer
+    process running meanwhile: (clients, probe, observer)."""
+    probe, observer, stop = LagProbe(), MachineStallObserver().start(), asyncio.Event()
+    probing = asyncio.create_task(probe.run(stop))
     try:
-        return await _run_clients(url, audio, rate, args)
+        clients = await run_clients(url, audio, rate, args)
     finally:
         stop.set()
-        if probing:
-            await probing
+        await probing
+        observer.stop()
+    return clients, probe, observer
 
 
-async def _run_clients(url: str, audio: np.ndarray, rate: int, args) -> list[Client]:
+async def run_clients(url: str, audio: np.ndarray, rate: int, args) -> list[Client]:
     chunk = int(rate * args.chunk_ms / 1000)
     rng = np.random.default_rng(0)
     clients = [Client(i, audio, rate, chunk, int(rng.integers(len(audio)))) for i in range(args.streams)]
@@ -266,7 +268,7 @@ def late_attribution(clients, budget_ms: float, observer: MachineStallObserver) 
             "late_in_machine_stalls": explained, "late_other": len(late_at) - explained}
 
 
-def stall_figures(d: dict[str, float], probe: LagProbe | None) -> dict:
+def stall_figures(d: dict[str, float], probe: LagProbe) -> dict:
     """Server loop stalls (> 32 ms), server full collections, and the load generator's own stalls,
     from scrape() differences and the client's probe."""
     lag_n = d.get("tim_event_loop_lag_seconds_count", 0.0)
@@ -274,8 +276,8 @@ def stall_figures(d: dict[str, float], probe: LagProbe | None) -> dict:
         "server_loop_stalls": int(lag_n - d.get('tim_event_loop_lag_seconds_bucket{le="0.032"}', lag_n)),
         "server_full_gcs": int(d.get('tim_gc_pause_seconds_count{generation="2"}', 0.0)),
         "server_full_gc_ms": round(1000 * d.get('tim_gc_pause_seconds_sum{generation="2"}', 0.0), 1),
-        "client_loop_stalls": probe.stalls(0.032) if probe else None,
-        "client_loop_max_lag_ms": round(1000 * probe.max_lag, 1) if probe else None,
+        "client_loop_stalls": probe.stalls(0.032),
+        "client_loop_max_lag_ms": round(1000 * probe.max_lag, 1),
     }
 
 
@@ -286,11 +288,7 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
     sampler = asyncio.create_task(sample_stats(stats, stop))
     m0 = await asyncio.to_thread(scrape, url)
     cpu0, my0, all0, t0 = stats.cpu_seconds(), me.cpu_seconds(), machine_busy_seconds(), time.perf_counter()
-    probe, observer = LagProbe(), MachineStallObserver().start()
-    try:
-        clients = await run_clients(url, audio, rate, args, probe)
-    finally:
-        observer.stop()
+    clients, probe, observer = await run_observed(url, audio, rate, args)
     wall = time.perf_counter() - t0
     cpu1, my1, all1 = stats.cpu_seconds(), me.cpu_seconds(), machine_busy_seconds()
     m1 = await asyncio.to_thread(scrape, url)

@@ -67,11 +67,7 @@ async def soak(url: str, pid: int, audio, rate: int, args) -> dict:
     errors0 = await asyncio.to_thread(server_errors, url)
     m0 = await asyncio.to_thread(loadtest.scrape, url)
     load = argparse.Namespace(streams=args.streams, seconds=args.minutes * 60, chunk_ms=args.chunk_ms)
-    probe, observer = loadtest.LagProbe(), loadtest.MachineStallObserver().start()
-    try:
-        clients = await loadtest.run_clients(url, audio, rate, load, probe)
-    finally:
-        observer.stop()
+    clients, probe, observer = await loadtest.run_observed(url, audio, rate, load)
     errors1 = await asyncio.to_thread(server_errors, url)
     m1 = await asyncio.to_thread(loadtest.scrape, url)
     stop.set()

@@ -33,7 +33,6 @@ class GcTimer:
     take microseconds: they are not timed, so that the callback itself costs next to nothing."""
 
     def __init__(self, histogram):
-        self.histogram = histogram
         self._by_gen = {g: histogram.labels(generation=str(g)) for g in (1, 2)}
         self._t0 = 0.0
         self.installed = False

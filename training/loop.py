@@ -38,7 +38,7 @@ from .data import MixConfig, Synthesizer, validation_set
 from .distributed import Dist
 from .layouts import TrainingData
 from .manifests import describe
-from .objective import band_weight, batch_loss, feature_stats, floored_estimate, refloor
+from .objective import band_weight, batch_loss, compared, feature_stats
 from .progress import Progress
 
 METRICS_COLUMNS = ("step", "examples", "hours", "split", "loss", "lr", "audio_s_per_s", "grad_norm")
@@ -303,11 +303,8 @@ class Trainer:
                 gains, _ = self.core(x, pad_end=False)  # (b, T - L, F)
             t = gains.shape[1]
             w = band_weight(bw, cfg).expand(-1, t, -1)
-            floor = self.opts.loss_floor
-            if floor is None or floor == cfg.log_eps:
-                e = (self.core.estimate_logmag(x[:, :t], gains.float()) - y[:, :t]) ** 2
-            else:
-                e = (floored_estimate(x[:, :t], gains.float(), cfg.log_eps, floor) - refloor(y[:, :t], cfg.log_eps, floor)) ** 2
+            est, ref = compared(self.core, x[:, :t], y[:, :t], gains.float(), self.opts.loss_floor)
+            e = (est - ref) ** 2
             err += float((e * w).sum())
             count += float(w.sum())
         self.core.train()

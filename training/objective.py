@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from enhancer import ModelConfig
-from enhancer.model import features, loss_fn
+from enhancer.model import features
 
 from .data import Synthesizer
 
@@ -31,10 +31,16 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
         gains, _ = net(x, pad_end=False)  # (B, T - L, F)
     t = gains.shape[1]
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
-    if loss_floor is None or loss_floor == cfg.log_eps:
-        return loss_fn(core, x[:, :t], y[:, :t], gains.float(), w)
-    return weighted_mse(floored_estimate(x[:, :t], gains.float(), cfg.log_eps, loss_floor),
-                        refloor(y[:, :t], cfg.log_eps, loss_floor), w)
+    return weighted_mse(*compared(core, x[:, :t], y[:, :t], gains.float(), loss_floor), w)
+
+
+def compared(core, noisy_logmag, clean_logmag, gains, loss_floor: float | None = None):
+    """The two sides the objective compares, (B, T, F) each: the estimate log(gain * |X| + floor)
+    and the clean log(|S| + floor); with no `loss_floor`, the model's own features (floor log_eps)."""
+    eps = core.config.log_eps
+    if loss_floor is None or loss_floor == eps:
+        return core.estimate_logmag(noisy_logmag, gains), clean_logmag
+    return floored_estimate(noisy_logmag, gains, eps, loss_floor), refloor(clean_logmag, eps, loss_floor)
 
 
 def refloor(logmag: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
