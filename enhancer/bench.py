@@ -46,7 +46,7 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
     hop_ms = 1000.0 * cfg.stft.hop / cfg.stft.sample_rate
     res = {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
-        "provider": enh.provider, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
+        "provider": enh.provider, "weights": enh.engine.weights, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
         "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.window,
         "step": [],
     }
@@ -75,7 +75,8 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
 
 def format_table(res: dict) -> str:
     lines = [
-        f"model            {res['model']} ({res['preset']}, {res['parameters']:,} parameters, {res['provider']})",
+        f"model            {res['model']} ({res['preset']}, {res['parameters']:,} parameters, {res['weights']} weights, "
+        f"{res['provider']})",
         f"latency          {res['algorithmic_latency_ms']:.0f} ms algorithmic (window + lookahead); "
         f"output stream delay {res['stream_delay_ms']:.0f} ms",
         "",

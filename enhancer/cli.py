@@ -11,7 +11,7 @@ from pathlib import Path
 from .errors import EnhancerError
 
 
-def _enhancer(model: str | None, device: str = "auto", preset: str | None = None):
+def _enhancer(model: str | None, device: str = "auto", preset: str | None = None, int8: bool = False):
     from .runtime import Enhancer
 
     providers = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}[device]
@@ -19,8 +19,8 @@ def _enhancer(model: str | None, device: str = "auto", preset: str | None = None
         from . import ModelConfig, build_model
         from .export import export_step
 
-        path = Path(tempfile.mkdtemp()) / f"{preset}.onnx"
-        export_step(build_model(ModelConfig.preset(preset)).eval(), path, check=False)
+        path = Path(tempfile.mkdtemp()) / f"{preset}{'-int8' if int8 else ''}.onnx"
+        export_step(build_model(ModelConfig.preset(preset)).eval(), path, check=False, int8_weights=int8)
         model = str(path)
     return Enhancer.from_pretrained(model, providers=providers)
 
@@ -60,20 +60,22 @@ def cmd_denoise(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from .checkpoint import load_checkpoint
-    from .export import export_step
-
-    from .checkpoint import save_checkpoint
-    from .export import round_to_fp16
+    from .checkpoint import load_checkpoint, save_checkpoint
+    from .export import export_step, round_to_fp16
+    from .quantize import MIN_PARITY_SNR_DB
 
     model = load_checkpoint(a.checkpoint)
     if a.fp16:
         round_to_fp16(model)
-    report = export_step(model, a.output, check=not a.no_check, verbose=False, fp16_weights=a.fp16)
+    report = export_step(model, a.output, check=not a.no_check, verbose=False, fp16_weights=a.fp16, int8_weights=a.int8)
     if a.save_checkpoint:  # weights only (no training state), e.g. the shipped models/tim.pt
         report["checkpoint"] = str(save_checkpoint(model, model.config, a.save_checkpoint, half=a.fp16))
     print(json.dumps(report, indent=2))
-    if "max_abs_diff" in report and report["max_abs_diff"] > 1e-4:
+    if a.int8 and "parity_snr_db" in report and report["parity_snr_db"] < MIN_PARITY_SNR_DB:
+        print(f"error: the int8 graph's output is only {report['parity_snr_db']:.1f} dB above its difference from "
+              f"torch (needs {MIN_PARITY_SNR_DB:g} dB)", file=sys.stderr)
+        return 1
+    if not a.int8 and "max_abs_diff" in report and report["max_abs_diff"] > 1e-4:
         print(f"error: onnxruntime differs from torch by {report['max_abs_diff']:.3g}", file=sys.stderr)
         return 1
     return 0
@@ -95,7 +97,8 @@ def cmd_info(a) -> int:
         params, extra = count_parameters(build_model(cfg)), {}
     else:
         enh = _enhancer(a.model)
-        cfg, params, extra = enh.config, enh.engine.parameters, {"provider": enh.provider, "file": str(enh.engine.path)}
+        cfg, params, extra = enh.config, enh.engine.parameters, {"provider": enh.provider, "file": str(enh.engine.path),
+                                                       "weights": enh.engine.weights}
     info = {
         "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
         "stream_delay_samples_16k": cfg.delay_samples, "lookahead_frames": cfg.lookahead,
@@ -109,7 +112,12 @@ def cmd_bench(a) -> int:
     from .bench import main as bench_main
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return bench_main(_enhancer(a.model, "cpu" if a.device == "auto" else a.device, a.preset), as_json=a.json, steps=a.steps)
+    if a.int8 and not a.preset:
+        print("error: --int8 applies to --preset (a model file is benchmarked as it is; export one with "
+              "`enhancer export CKPT -o MODEL.onnx --int8`)", file=sys.stderr)
+        return 2
+    return bench_main(_enhancer(a.model, "cpu" if a.device == "auto" else a.device, a.preset, a.int8), as_json=a.json,
+                      steps=a.steps)
 
 
 def cmd_serve(a) -> int:
@@ -148,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", required=True)
     e.add_argument("--no-check", action="store_true", help="skip onnx.checker and the onnxruntime/torch comparison")
     e.add_argument("--fp16", action="store_true", help="store weights as float16 (half the size; computed in float32)")
+    e.add_argument("--int8", action="store_true",
+                   help="dense weights as 8-bit blocks (onnxruntime MatMulNBits): faster steps at small batches, "
+                        "not bit-exact (checked: output >= 30 dB above its difference from torch)")
     e.add_argument("--save-checkpoint", default=None, metavar="PT",
                    help="also write the exported weights as a torch checkpoint without training state")
     e.set_defaults(fn=cmd_export)
@@ -162,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     b.add_argument("--steps", type=int, default=300)
+    b.add_argument("--int8", action="store_true", help="with --preset: export it with 8-bit weights (export --int8)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=cmd_bench)
     return p

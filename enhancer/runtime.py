@@ -104,6 +104,11 @@ class Engine:
     def parameters(self) -> int:
         return int(self.metadata.get("parameters", 0))
 
+    @property
+    def weights(self) -> str:
+        """How the weights are stored: fp32, fp16 (computed in float32) or int8 (8-bit dense layers)."""
+        return self.metadata.get("weights", "fp32 or fp16")
+
     def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> list[np.ndarray]:
         return self.session.run(None, dict(zip(self.input_names, [hops, min_gain, pos, *caches])))
 
