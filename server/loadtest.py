@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .stalls import MachineStallObserver, freeze_startup_objects
+from .stalls import MachineStallObserver, freeze_startup_objects, stall_explains
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILES = sorted((ROOT.parent / "shared" / "data" / "dev" / "valentini_p287" / "noisy").glob("*.wav"))
@@ -258,14 +258,18 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def late_attribution(clients, budget_ms: float, observer: MachineStallObserver) -> dict:
+def late_attribution(clients, budget_ms: float, observer: MachineStallObserver, probe: "LagProbe | None" = None) -> dict:
     """Late messages that arrived during or just after a stall of the whole machine (seen by an
-    idle observer process), and the rest: the ones the service is answerable for."""
+    idle observer process); of the others, those that arrived during or just after a stall of the
+    load generator itself (it shares the two cores with the server, so it reads a message late
+    although the server sent it in time); and the rest: the ones the service is answerable for."""
     late_at = [a for c in clients for a, lat in zip(c.arrivals, c.latencies) if lat * 1000 > budget_ms]
-    explained = sum(observer.explains(a) for a in late_at)
+    machine = [observer.explains(a) for a in late_at]
+    client = [not m and probe is not None and stall_explains(probe.events, a) for a, m in zip(late_at, machine)]
     big = [lag for _, lag in observer.events if lag > 0.032]
     return {"machine_stalls": len(big), "machine_stall_max_ms": round(1000 * max(big), 1) if big else 0.0,
-            "late_in_machine_stalls": explained, "late_other": len(late_at) - explained}
+            "late_in_machine_stalls": sum(machine), "late_in_client_stalls": sum(client),
+            "late_other": len(late_at) - sum(machine) - sum(client)}
 
 
 def stall_figures(d: dict[str, float], probe: LagProbe) -> dict:
@@ -312,7 +316,7 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
         "mean_step_ms": 1000 * d.get("tim_step_seconds_sum", 0.0) / steps if steps else None,
         "step_busy_pct": 100 * d.get("tim_step_seconds_sum", 0.0) / wall,
         "complete": all(c.samples_out == len(c.sent_times) * c.chunk for c in clients if not c.error),
-    } | stall_figures(d, probe) | late_attribution(clients, budget, observer)
+    } | stall_figures(d, probe) | late_attribution(clients, budget, observer, probe)
 
 
 def main(argv=None) -> int:
@@ -362,7 +366,8 @@ def main(argv=None) -> int:
                   f"{result['mean_step_ms']:.2f} ms, inference busy {result['step_busy_pct']:.0f} % of one core")
         print(f"  machine stalls > 32 ms (idle observer process): {result['machine_stalls']} (max "
               f"{result['machine_stall_max_ms']} ms); late messages within 1.5 s of one: "
-              f"{result['late_in_machine_stalls']}, other late messages: {result['late_other']}")
+              f"{result['late_in_machine_stalls']}, of a load generator stall: {result['late_in_client_stalls']}, "
+              f"other late messages: {result['late_other']}")
         print(f"  stalls > 32 ms: server event loop {result['server_loop_stalls']}, load generator "
               f"{result['client_loop_stalls']} (its max {result['client_loop_max_lag_ms']} ms); server full "
               f"collections {result['server_full_gcs']} ({result['server_full_gc_ms']} ms in total)")

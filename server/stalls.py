@@ -134,4 +134,10 @@ class MachineStallObserver:
     def explains(self, arrival: float, over_s: float = 0.032, recovery_s: float = 1.5) -> bool:
         """Whether a message arriving at `arrival` (perf_counter) came within `recovery_s` after the
         end of a machine stall longer than `over_s` (the backlog of a stall takes a moment to clear)."""
-        return any(lag > over_s and t <= arrival <= t + lag + recovery_s for t, lag in self.events)
+        return stall_explains(self.events, arrival, over_s, recovery_s)
+
+
+def stall_explains(events, arrival: float, over_s: float = 0.032, recovery_s: float = 1.5) -> bool:
+    """Whether `arrival` falls in one of the stalls `events` ((perf_counter when due, lag s) pairs)
+    longer than `over_s`, or within `recovery_s` after its end."""
+    return any(lag > over_s and t <= arrival <= t + lag + recovery_s for t, lag in events)

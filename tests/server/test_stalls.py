@@ -79,6 +79,27 @@ def test_late_messages_are_attributed_to_machine_stalls_only_nearby():
     assert not obs.explains(200.01)  # too short to count
 
 
+def test_late_messages_are_split_between_machine_stalls_load_generator_stalls_and_the_rest():
+    from types import SimpleNamespace
+
+    from server.loadtest import LagProbe, late_attribution
+
+    obs, probe = MachineStallObserver(), LagProbe()
+    obs.events = [(100.0, 0.2)]  # the whole machine stalled 200 ms at t = 100 s
+    probe.events = [(300.0, 0.07), (400.0, 0.02)]  # the load generator alone: 70 ms, and 20 ms (too short)
+    client = SimpleNamespace(
+        arrivals=[50.0, 100.5, 101.0, 300.05, 301.0, 400.01, 500.0],
+        latencies=[0.09, 0.3, 0.2, 0.25, 0.1, 0.2, 0.16],  # seconds; the budget is 148 ms
+    )
+    r = late_attribution([client], 148.0, obs, probe)
+    assert r["late_in_machine_stalls"] == 2  # 100.5 and 101.0
+    assert r["late_in_client_stalls"] == 1  # 300.05 (301.0 is on time)
+    assert r["late_other"] == 2  # 400.01 (after a stall under 32 ms) and 500.0
+    assert r["machine_stalls"] == 1 and r["machine_stall_max_ms"] == 200.0
+    r = late_attribution([client], 148.0, obs)  # without the probe nothing is put on the load generator
+    assert r["late_in_client_stalls"] == 0 and r["late_other"] == 3
+
+
 def test_metrics_expose_loop_lag_and_gc_pauses(http):
     def lag_count():
         line = next(ln for ln in http.get("/metrics").text.splitlines() if ln.startswith("tim_event_loop_lag_seconds_count"))
