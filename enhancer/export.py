@@ -53,6 +53,7 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
             do_constant_folding=True,
         )
     proto = onnx.load(str(path))
+    weights = "int8" if int8_weights else "fp16" if fp16_weights else "fp32"
     meta = {
         "config": json.dumps(cfg.to_dict()),
         "version": __version__,
@@ -62,13 +63,11 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
         "latency_ms": str(cfg.algorithmic_latency_ms),
         "inputs": json.dumps(names_in),
         "outputs": json.dumps(names_out),
+        "weights": weights,
     }
     for k, v in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + k, v
-    weights = "int8" if int8_weights else "fp16" if fp16_weights else "fp32"
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = META_PREFIX + "weights", weights
     if int8_weights:
         from .quantize import quantize_int8
 
@@ -115,9 +114,10 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0) -> t
             hop = (rng.standard_normal((batch, cfg.stft.hop)) * 0.1).astype(np.float32)
             o = sess.run(None, dict(zip(names, [hop, min_gain, pos, *np_c])))
             t = step(torch.from_numpy(hop), torch.from_numpy(min_gain), torch.from_numpy(pos), *t_c)
-            d = o[0] - t[0].numpy()
+            ref = t[0].numpy().astype(np.float64)
+            d = o[0] - ref
             worst = max(worst, float(np.abs(d).max()))
-            energy, diff = energy + float((t[0].numpy().astype(np.float64) ** 2).sum()), diff + float((d.astype(np.float64) ** 2).sum())
+            energy, diff = energy + float((ref ** 2).sum()), diff + float((d ** 2).sum())
             write_rings(np_c[n_state:], o[n_head - 1], pos, cfg.window)
             write_rings(t_c[n_state:], t[n_head - 1], torch.from_numpy(pos), cfg.window)
             np_c[:n_state], t_c[:n_state] = o[n_head:], list(t[n_head:])

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .stalls import MachineStallObserver, freeze_startup_objects, stall_explains
+from .stalls import STALL_S, MachineStallObserver, freeze_startup_objects, stall_explains
+
+LOOP_LAG_UNDER_STALL = f'tim_event_loop_lag_seconds_bucket{{le="{STALL_S}"}}'  # server loop wake-ups that were no stall
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILES = sorted((ROOT.parent / "shared" / "data" / "dev" / "valentini_p287" / "noisy").glob("*.wav"))
@@ -252,7 +254,7 @@ def scrape(url: str) -> dict[str, float]:
     for line in metrics_lines(url, timeout=5):
         name = line.split(" ")[0]
         if name in ("tim_step_seconds_sum", "tim_step_seconds_count", "tim_batch_size_sum", "tim_batch_size_count",
-                    "tim_event_loop_lag_seconds_count", 'tim_event_loop_lag_seconds_bucket{le="0.032"}',
+                    "tim_event_loop_lag_seconds_count", LOOP_LAG_UNDER_STALL,
                     'tim_gc_pause_seconds_count{generation="2"}', 'tim_gc_pause_seconds_sum{generation="2"}'):
             values[name] = float(line.split()[-1])
     return values
@@ -266,7 +268,7 @@ def late_attribution(clients, budget_ms: float, observer: MachineStallObserver, 
     late_at = [a for c in clients for a, lat in zip(c.arrivals, c.latencies) if lat * 1000 > budget_ms]
     machine = [observer.explains(a) for a in late_at]
     client = [not m and probe is not None and stall_explains(probe.events, a) for a, m in zip(late_at, machine)]
-    big = [lag for _, lag in observer.events if lag > 0.032]
+    big = [lag for _, lag in observer.events if lag > STALL_S]
     return {"machine_stalls": len(big), "machine_stall_max_ms": round(1000 * max(big), 1) if big else 0.0,
             "late_in_machine_stalls": sum(machine), "late_in_client_stalls": sum(client),
             "late_other": len(late_at) - sum(machine) - sum(client)}
@@ -277,10 +279,10 @@ def stall_figures(d: dict[str, float], probe: LagProbe) -> dict:
     from scrape() differences and the client's probe."""
     lag_n = d.get("tim_event_loop_lag_seconds_count", 0.0)
     return {
-        "server_loop_stalls": int(lag_n - d.get('tim_event_loop_lag_seconds_bucket{le="0.032"}', lag_n)),
+        "server_loop_stalls": int(lag_n - d.get(LOOP_LAG_UNDER_STALL, lag_n)),
         "server_full_gcs": int(d.get('tim_gc_pause_seconds_count{generation="2"}', 0.0)),
         "server_full_gc_ms": round(1000 * d.get('tim_gc_pause_seconds_sum{generation="2"}', 0.0), 1),
-        "client_loop_stalls": probe.stalls(0.032),
+        "client_loop_stalls": probe.stalls(STALL_S),
         "client_loop_max_lag_ms": round(1000 * probe.max_lag, 1),
     }
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import loadtest
 from .rawws import RawClient
+from .stalls import STALL_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,7 +224,7 @@ def plot(r: dict, path: Path) -> None:
     ax[2].bar([x["t"] / 60 for x in w], [x["late"] for x in w], width=(w[1]["t"] - w[0]["t"]) / 60 if len(w) > 1 else 0.1,
               color="tab:red", align="edge")
     for t, lag in r.get("machine_stalls", []):
-        if lag > 0.032:
+        if lag > STALL_S:
             ax[2].axvline(t / 60, color="tab:purple", lw=0.6, alpha=0.6)
     ax[2].set_ylabel("late messages\n(purple: machine\nstalled > 32 ms)")
     ax[2].set_xlabel("minutes")

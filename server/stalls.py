@@ -19,6 +19,8 @@ import asyncio
 import gc
 import time
 
+STALL_S = 0.032  # a stall: a wake-up more than two 16 ms hops late
+
 
 def freeze_startup_objects() -> int:
     """Collect once, then freeze what is left; returns the number of frozen objects."""
@@ -131,13 +133,13 @@ class MachineStallObserver:
             self.proc = None
         return self.events
 
-    def explains(self, arrival: float, over_s: float = 0.032, recovery_s: float = 1.5) -> bool:
+    def explains(self, arrival: float, over_s: float = STALL_S, recovery_s: float = 1.5) -> bool:
         """Whether a message arriving at `arrival` (perf_counter) came within `recovery_s` after the
         end of a machine stall longer than `over_s` (the backlog of a stall takes a moment to clear)."""
         return stall_explains(self.events, arrival, over_s, recovery_s)
 
 
-def stall_explains(events, arrival: float, over_s: float = 0.032, recovery_s: float = 1.5) -> bool:
+def stall_explains(events, arrival: float, over_s: float = STALL_S, recovery_s: float = 1.5) -> bool:
     """Whether `arrival` falls in one of the stalls `events` ((perf_counter when due, lag s) pairs)
     longer than `over_s`, or within `recovery_s` after its end."""
     return any(lag > over_s and t <= arrival <= t + lag + recovery_s for t, lag in events)
