@@ -72,6 +72,22 @@ def add_fit(sub) -> None:
     p.add_argument("--p-clean", type=float, help="share of noise-free examples (default 0.05)")
     p.add_argument("--loss-floor", type=float, help="the loss compares log(|S| + floor) (default: the model's log_eps, "
                    "1e-4; e.g. 1e-2 so that inaudibly quiet bins do not dominate); inputs are unchanged")
+    p.add_argument("--augment", action="store_true",
+                   help="switch on the augmentation recipe (reverb, EQ, speed, band-limiting, clipping, procedural "
+                        "and layered noise, more music and babble; training.data.AUGMENT_RECIPE)")
+    p.add_argument("--mix", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one mixing/augmentation setting of training.data.MixConfig, e.g. --mix p_reverb=0 "
+                        "or --mix rt60_s=0.3,0.8 (repeatable; applied after --augment)")
+    p.add_argument("--schedule", choices=("plateau", "cosine"), default="plateau",
+                   help="plateau: halve the lr after --patience validations without improvement; cosine: linear "
+                        "warm-up over --warmup-steps, then cosine decay to --final-lr at --total-steps")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--total-steps", type=int, help="cosine: the planned length of the run in steps (default --max-steps)")
+    p.add_argument("--final-lr", type=float, default=1e-6)
+    p.add_argument("--dev", type=Path, help="dev set folder (noisy/, clean/; e.g. from `devset --unseen`) scored by "
+                   "PESQ-WB every --dev-every steps; best.pt is then the best on it (DNSMOS OVRL breaks ties)")
+    p.add_argument("--dev-every", type=int, default=500)
+    p.add_argument("--dev-files", type=int, default=48, help="evenly spaced dev pairs scored (0: all)")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                    help="autocast precision (auto: fp32 on CPU, bf16/fp16 on CUDA)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores / processes)")
@@ -126,6 +142,11 @@ def cmd_fit(args) -> int:
         mix["level_db"] = tuple(args.level)
     if args.p_clean is not None:
         mix["p_clean"] = args.p_clean
+    if args.augment:
+        from .data import AUGMENT_RECIPE
+
+        mix = {**AUGMENT_RECIPE, **mix}
+    mix.update(parse_mix_settings(args.mix))
     data = training_data(args)  # checked before anything starts
     opts = FitOptions(
         out=args.out, config=model_config(args), batch_size=args.batch_size, mix=mix, max_steps=args.max_steps,
@@ -135,11 +156,44 @@ def cmd_fit(args) -> int:
         checkpoint_minutes=args.checkpoint_minutes, keep_last=args.keep_last, log_every=args.log_every,
         seed=args.seed, precision=args.precision, threads=args.threads, norm_examples=args.norm_examples,
         cache_dir=args.cache_dir, jobs=args.jobs, quiet=args.quiet, loss_floor=args.loss_floor,
+        schedule=args.schedule, warmup_steps=args.warmup_steps, total_steps=args.total_steps, final_lr=args.final_lr,
+        dev=args.dev, dev_every=args.dev_every, dev_files=args.dev_files or None,
+        dnsmos_dir=default_dnsmos_dir() if args.dev is not None else None,
     )
     result = fit(opts, data)
     if not args.quiet and _is_main():
         print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}))
     return 0
+
+
+def parse_mix_settings(pairs: list[str]) -> dict:
+    """["p_reverb=0.3", "rt60_s=0.3,0.8"] -> {"p_reverb": 0.3, "rt60_s": (0.3, 0.8)}; unknown keys and
+    bad values are refused here, before any data is read."""
+    from dataclasses import fields
+
+    from .data import TUPLE_FIELDS, MixConfig
+
+    known = {f.name for f in fields(MixConfig)} - {"source_weights"}
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or key not in known:
+            raise ValueError(f"--mix {pair!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(known))}")
+        try:
+            nums = tuple(float(v) for v in value.split(","))
+        except ValueError:
+            raise ValueError(f"--mix {pair!r}: not a number") from None
+        if key in TUPLE_FIELDS:
+            if len(nums) != 2:
+                raise ValueError(f"--mix {pair!r}: {key} takes two numbers, LO,HI")
+            out[key] = tuple(int(v) for v in nums) if key == "babble_talkers" else nums
+        else:
+            if len(nums) != 1:
+                raise ValueError(f"--mix {pair!r}: {key} takes one number")
+            out[key] = nums[0]
+    MixConfig.from_dict({**MixConfig().to_dict(), **out})  # range checks
+    return out
 
 
 def _is_main() -> bool:

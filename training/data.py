@@ -19,14 +19,15 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
+from . import augment
 from .audio_cache import SAMPLE_RATE, AudioSet
 from .manifests import DataError
-from .mixing import active_rms, concatenate, fit_length, mix
+from .mixing import PEAK_LIMIT, active_rms, concatenate, fit_length, mix
 
 MIN_NOISE_RMS = 1e-4  # -80 dBFS: quieter noise excerpts (silent parts of effects) are redrawn
 
@@ -45,6 +46,20 @@ class MixConfig:
     # one, and digital silence (gaps, padded prompts) would otherwise dominate the log-magnitude loss
     floor_db: tuple[float, float] = (60.0, 80.0)
     source_weights: dict[str, float] = field(default_factory=dict)  # override the sqrt(groups) rule
+    # augmentations (training.augment), all off by default; AUGMENT_RECIPE switches them on
+    p_reverb: float = 0.0
+    rt60_s: tuple[float, float] = (0.2, 1.0)
+    drr_db: tuple[float, float] = (-2.0, 15.0)
+    early_ms: float = 50.0
+    p_eq_speech: float = 0.0
+    p_eq_noise: float = 0.0
+    eq_db: float = 8.0
+    p_speed: float = 0.0
+    speed: tuple[float, float] = (0.88, 1.12)
+    p_bandlimit: float = 0.0
+    p_clip: float = 0.0
+    p_procedural: float = 0.0  # of the noise-clip draws
+    p_second_noise: float = 0.0
 
     @property
     def segment_samples(self) -> int:
@@ -53,7 +68,7 @@ class MixConfig:
     def validate(self) -> "MixConfig":
         if self.segment_seconds <= 0.1:
             raise ValueError(f"segment_seconds must be > 0.1, got {self.segment_seconds}")
-        for name in ("snr_db", "level_db", "gap_seconds", "babble_talkers", "floor_db"):
+        for name in TUPLE_FIELDS:
             lo, hi = getattr(self, name)
             if lo > hi:
                 raise ValueError(f"{name}: low {lo} > high {hi}")
@@ -61,6 +76,12 @@ class MixConfig:
             raise ValueError("level_db must be <= 0 dBFS")
         if not 0 <= self.p_clean <= 1 or not 0 <= self.p_music + self.p_babble <= 1:
             raise ValueError("probabilities must lie in [0, 1] (p_music + p_babble <= 1)")
+        for name in ("p_reverb", "p_eq_speech", "p_eq_noise", "p_speed", "p_bandlimit", "p_clip", "p_procedural",
+                     "p_second_noise"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.speed[0] <= 0 or self.rt60_s[0] <= 0:
+            raise ValueError("speed and rt60_s must be > 0")
         return self
 
     def to_dict(self) -> dict:
@@ -69,10 +90,23 @@ class MixConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "MixConfig":
         d = dict(d)
-        for k in ("snr_db", "level_db", "babble_talkers", "gap_seconds", "floor_db"):
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown mixing setting(s): {', '.join(sorted(unknown))}")
+        for k in TUPLE_FIELDS:
             if k in d:
                 d[k] = tuple(d[k])
         return cls(**d).validate()
+
+
+TUPLE_FIELDS = ("snr_db", "level_db", "gap_seconds", "babble_talkers", "floor_db", "rt60_s", "drr_db", "speed")
+
+# `fit --augment`: the augmentation recipe of the shipped model (see the model card)
+AUGMENT_RECIPE = {
+    "p_reverb": 0.25, "p_eq_speech": 0.5, "p_eq_noise": 0.5, "p_speed": 0.3, "p_bandlimit": 0.1, "p_clip": 0.03,
+    "p_procedural": 0.12, "p_second_noise": 0.2, "p_music": 0.3, "p_babble": 0.15, "babble_talkers": (3, 12),
+    "level_db": (-42.0, -12.0),
+}
 
 
 class Pool:
@@ -168,6 +202,19 @@ class Synthesizer:
         return None, "none"
 
     def _noise_draw(self, rng: np.random.Generator, n: int, exclude_group: int):
+        x, kind = self._one_noise(rng, n, exclude_group)
+        cfg = self.cfg
+        if cfg.p_eq_noise > 0 and rng.random() < cfg.p_eq_noise:
+            x = augment.random_eq(rng, x, cfg.eq_db)
+        if cfg.p_second_noise > 0 and rng.random() < cfg.p_second_noise:
+            y, kind2 = self._one_noise(rng, n, exclude_group)
+            ry, rx = active_rms(y), active_rms(x)
+            if ry > 0 and rx > 0:
+                x = (x + y * np.float32(rx / ry * 10.0 ** (-rng.uniform(0.0, 10.0) / 20.0))).astype(np.float32)
+                kind = f"{kind}+{kind2}"
+        return x, kind
+
+    def _one_noise(self, rng: np.random.Generator, n: int, exclude_group: int):
         r = rng.random()
         if self.music is not None and r < self.cfg.p_music:
             return fit_length(self.music.audio.clip(self.music.clip(rng, self.music.group(rng))), n, rng), "music"
@@ -178,28 +225,56 @@ class Synthesizer:
                 x, _, _ = self.speech_segment(rng, n, self.speech.group(rng, exclude=exclude_group))
                 babble += x / max(float(np.sqrt(np.mean(x.astype(np.float64) ** 2))), 1e-8)
             return babble.astype(np.float32), "babble"
+        if self.cfg.p_procedural > 0 and rng.random() < self.cfg.p_procedural:
+            x, kind = augment.procedural_noise(rng, n)
+            return x, f"procedural {kind}"
         return fit_length(self.noise.audio.clip(self.noise.clip(rng, self.noise.group(rng))), n, rng), "noise"
 
     def example(self, index: int) -> Example:
         cfg, n = self.cfg, self.cfg.segment_samples
         rng = self.rng(index)
+        speed = float(rng.uniform(*cfg.speed)) if cfg.p_speed > 0 and rng.random() < cfg.p_speed else 1.0
+        m = n if speed == 1.0 else int(math.ceil(n * speed)) + 16
         for _ in range(10):  # a crop of a concatenation can, rarely, hold only silence
-            clean, g, bw = self.speech_segment(rng, n)
+            clean, g, bw = self.speech_segment(rng, m)
             if np.abs(clean).max() > 1e-5:
                 break
         else:
             raise DataError(f"example {index}: could not draw non-silent speech (is the speech cache silent?)")
+        aug = []
+        if speed != 1.0:
+            clean = fit_length(augment.change_speed(clean, speed), n, rng)
+            bw = min(bw * speed, SAMPLE_RATE / 2)
+            aug.append(f"speed {speed:.2f}")
+        if cfg.p_eq_speech > 0 and rng.random() < cfg.p_eq_speech:
+            clean = augment.random_eq(rng, clean, cfg.eq_db)
+            aug.append("eq")
         floor = float(rng.uniform(*cfg.floor_db))
         clean = clean + rng.standard_normal(n).astype(np.float32) * np.float32(active_rms(clean) * 10.0 ** (-floor / 20.0))
+        target = None
+        if cfg.p_reverb > 0 and rng.random() < cfg.p_reverb:
+            clean, target = augment.reverberate(rng, clean, cfg.rt60_s, cfg.drr_db, cfg.early_ms)
+            aug.append("reverb")
         snr = float(rng.uniform(*cfg.snr_db))
         level = float(rng.uniform(*cfg.level_db))
         if rng.random() < cfg.p_clean:
             noise, kind = None, "none"
         else:
             noise, kind = self.noise_segment(rng, n, g)
-        noisy, clean = mix(clean, noise, snr, level)
+        noisy, clean = mix(clean, noise, snr, level, target=target)
+        if cfg.p_bandlimit > 0 and rng.random() < cfg.p_bandlimit:
+            cut = float(augment.BANDLIMITS_HZ[int(rng.integers(len(augment.BANDLIMITS_HZ)))])
+            noisy, clean = augment.lowpass(noisy, cut), augment.lowpass(clean, cut)
+            peak = max(float(np.abs(noisy).max()), float(np.abs(clean).max()))
+            if peak > PEAK_LIMIT:  # the filter's ringing can overshoot the mixer's limit
+                noisy, clean = noisy * np.float32(PEAK_LIMIT / peak), clean * np.float32(PEAK_LIMIT / peak)
+            bw = min(bw, cut)
+            aug.append(f"lowpass {cut:g}")
+        if cfg.p_clip > 0 and rng.random() < cfg.p_clip:
+            noisy = augment.hard_clip(rng, noisy)
+            aug.append("clip")
         info = {"group": self.speech.group_names[g], "noise": kind, "snr_db": snr if noise is not None else math.inf,
-                "level_db": level}
+                "level_db": level, "augment": aug}
         return Example(noisy, clean, float(bw), info)
 
     def batch(self, indices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -34,6 +34,8 @@ class TrainingData:
     train: dict[str, list[Item]] = field(default_factory=dict)
     valid: dict[str, list[Item]] = field(default_factory=dict)
     description: str = ""
+    # whole sources held out of both splits (`training.holdout`): the unseen-source dev set's material
+    unseen: dict[str, list[Item]] = field(default_factory=dict)
 
     def check(self) -> "TrainingData":
         for split, lists in (("train", self.train), ("valid", self.valid)):
@@ -45,8 +47,11 @@ class TrainingData:
 
 
 # --------------------------------------------------------------------------- training sources
-def corpus_layout(root) -> TrainingData:
-    """`ROOT/manifests/{speech,noise,music}_{train,valid}.tsv` (music optional)."""
+def corpus_layout(root, hold_out: bool = True) -> TrainingData:
+    """`ROOT/manifests/{speech,noise,music}_{train,valid}.tsv` (music optional). With `hold_out`,
+    the sources of `training.holdout.UNSEEN_SOURCES` leave both splits for `TrainingData.unseen`."""
+    from .holdout import split_unseen
+
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"data folder not found: {root}")
@@ -63,7 +68,11 @@ def corpus_layout(root) -> TrainingData:
                 if cat == "music":
                     continue
                 raise DataError(f"missing manifest {m}")
-            lists[cat] = read_manifest(m, root)
+            items = read_manifest(m, root)
+            if hold_out:
+                items, held = split_unseen(items, cat, root)
+                data.unseen.setdefault(cat, []).extend(held)
+            lists[cat] = items
     return data.check()
 
 

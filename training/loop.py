@@ -35,6 +35,7 @@ from enhancer.model import count_parameters, features
 from .audio_cache import cached_audio, default_cache_root
 from .checkpoints import CheckpointDir
 from .data import MixConfig, Synthesizer, validation_set
+from .devscore import DevScore, DevScorer, combine, load_dev_pairs
 from .distributed import Dist
 from .layouts import TrainingData
 from .manifests import describe
@@ -73,6 +74,14 @@ class FitOptions:
     jobs: int | None = None  # processes decoding audio into the cache
     quiet: bool = False
     loss_floor: float | None = None  # None: the model's log_eps (see training.objective)
+    schedule: str = "plateau"  # plateau: halve after `patience` bad validations; cosine: warm-up, then cosine decay
+    warmup_steps: int = 0
+    total_steps: int | None = None  # cosine: the step at which the lr reaches final_lr (default: max_steps)
+    final_lr: float = 1e-6
+    dev: Path | None = None  # paired noisy/ clean/ folders scored by PESQ-WB; best.pt is then chosen on it
+    dev_every: int = 500
+    dev_files: int | None = 48  # an evenly spaced selection of the dev pairs (None: all)
+    dnsmos_dir: Path | None = None  # DNSMOS models for the tie-break (None: PESQ alone)
 
 
 def choose_precision(requested: str, device: torch.device) -> str:
@@ -85,6 +94,16 @@ def choose_precision(requested: str, device: torch.device) -> str:
     if requested == "fp16" and device.type != "cuda":
         raise ValueError("fp16 autocast needs CUDA; use bf16 or fp32 on CPU")
     return requested
+
+
+def cosine_lr(step: int, peak: float, warmup: int, total: int, final: float) -> float:
+    """Linear warm-up from 0 to `peak` over `warmup` steps, then a half cosine down to `final` at
+    `total` (and `final` after it)."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(1, total - warmup)
+    t = min(1.0, max(0.0, (step - warmup) / span))
+    return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * t))
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -188,6 +207,9 @@ class Trainer:
                      f"best valid {self.best:.4f})")
         for g in self.opt.param_groups:
             g["lr"] = self.lr
+        self.best_dev = DevScore.from_dict(state.get("best_dev")) if state is not None else None
+        self._setup_schedule()
+        self._setup_dev()
         self.saved_step = self.step if blob is not None else -1
         if d.main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +218,38 @@ class Trainer:
         self.log(f"model {self.cfg.name}: {count_parameters(self.core) / 1e6:.2f} M parameters; "
                  f"{d.world} process(es) x {threads} thread(s) on {d.device}; precision {self.precision}; "
                  f"batch {self.batch_size} x {d.world} of {self.mix.segment_seconds:g} s")
+
+    def _setup_schedule(self) -> None:
+        o = self.opts
+        if o.schedule not in ("plateau", "cosine"):
+            raise ValueError(f"schedule must be plateau or cosine, got {o.schedule!r}")
+        if o.schedule == "cosine":
+            self.total_steps = o.total_steps or o.max_steps
+            if not self.total_steps:
+                raise ValueError("the cosine schedule needs --total-steps (or --max-steps)")
+            if o.warmup_steps >= self.total_steps:
+                raise ValueError(f"--warmup-steps {o.warmup_steps} must be below the total {self.total_steps}")
+            self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        o = self.opts
+        if o.schedule == "cosine":
+            self.lr = cosine_lr(self.step, o.lr, o.warmup_steps, self.total_steps, o.final_lr)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr
+
+    def _setup_dev(self) -> None:
+        o, d = self.opts, self.dist
+        self.dev_scorer = None
+        if o.dev is None:
+            return
+        pairs = load_dev_pairs(o.dev, o.dev_files)
+        self.dev_scorer = DevScorer(pairs, d.rank, d.world, o.dnsmos_dir)
+        self.log(f"dev set {o.dev}: {len(pairs)} pairs scored every {o.dev_every} steps (PESQ-WB"
+                 f"{', DNSMOS OVRL tie-break' if self.dev_scorer.dnsmos is not None else ''}); best.pt is chosen on it")
+
+    def score_dev(self) -> DevScore:
+        return combine(self.dist.sum(self.dev_scorer.partial(self.core)))
 
     def _resume_path(self, ckdir: CheckpointDir) -> Path | None:
         r = self.opts.resume
@@ -269,6 +323,8 @@ class Trainer:
         dev = d.device
         noisy, clean, bw = (torch.from_numpy(a).to(dev) for a in (noisy, clean, bw))
         self.opt.zero_grad(set_to_none=True)
+        if o.schedule == "cosine":
+            self._apply_lr()
         loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -321,7 +377,8 @@ class Trainer:
             "train": {"step": self.step, "examples": self.examples, "hours": self.hours, "lr": self.lr,
                       "best_valid": self.best, "bad_validations": self.bad, "seed": self.seed,
                       "mix": self.mix.to_dict(), "world_size": self.dist.world,
-                      "batch_size": self.batch_size},
+                      "batch_size": self.batch_size,
+                      "best_dev": self.best_dev.to_dict() if self.best_dev is not None else None},
             "optimizer": self.opt.state_dict(),
             "rng": rng,
         }
@@ -336,7 +393,7 @@ class Trainer:
             self.best, self.bad = loss, 0
             return True
         self.bad += 1
-        if self.bad >= o.patience and self.lr > o.min_lr:
+        if o.schedule == "plateau" and self.bad >= o.patience and self.lr > o.min_lr:
             self.lr = max(self.lr * o.lr_factor, o.min_lr)
             self.bad = 0
             for g in self.opt.param_groups:
@@ -377,11 +434,27 @@ class Trainer:
                     acc_loss = acc_n = 0
                     acc_time = 0.0
                 progress.update(self.step, loss=loss, rate=rate if math.isfinite(rate) else seconds_per_step / dt, lr=self.lr)
-                if o.valid_every and self.step % o.valid_every == 0:
-                    vloss = self.validate()
-                    best = self.after_validation(vloss)
-                    self._metrics_row("valid", vloss)
-                    progress.write(f"step {self.step}: valid loss {vloss:.4f}{' (best)' if best else ''}, lr {self.lr:.2e}")
+                validating = bool(o.valid_every) and self.step % o.valid_every == 0
+                scoring = self.dev_scorer is not None and self.step % o.dev_every == 0
+                if validating or scoring:
+                    best = False
+                    if validating:
+                        vloss = self.validate()
+                        best_loss = self.after_validation(vloss)
+                        best = best_loss and self.dev_scorer is None
+                        self._metrics_row("valid", vloss)
+                        progress.write(f"step {self.step}: valid loss {vloss:.4f}{' (best)' if best_loss else ''}, "
+                                       f"lr {self.lr:.2e}")
+                    if scoring:
+                        score = self.score_dev()
+                        best = score.better_than(self.best_dev)
+                        if best:
+                            self.best_dev = score
+                        self._metrics_row("dev_pesq_wb", score.pesq_wb)
+                        if math.isfinite(score.dnsmos_ovrl):
+                            self._metrics_row("dev_dnsmos_ovrl", score.dnsmos_ovrl)
+                        progress.write(f"step {self.step}: dev PESQ-WB {score.pesq_wb:.3f}, DNSMOS OVRL "
+                                       f"{score.dnsmos_ovrl:.3f} on {score.files} files{' (best)' if best else ''}")
                     self.save(best=best)
                     last_ckpt = time.time()
                 elif due_all:
@@ -400,6 +473,7 @@ class Trainer:
             self.save()
         self.log(f"stopped at step {self.step}: {self.stop_reason}; checkpoints in {self.ckpt.dir}")
         return {"step": self.step, "stop_reason": self.stop_reason, "best_valid": self.best,
+                "best_dev": self.best_dev.to_dict() if self.best_dev is not None else None,
                 "audio_s_per_s": rate, "checkpoint": str(self.ckpt.latest())}
 
     def _install_signals(self):

@@ -40,14 +40,21 @@ def level_db(x: np.ndarray) -> float:
 
 
 def mix(clean: np.ndarray, noise: np.ndarray | None, snr: float, level: float,
-        peak_limit: float = PEAK_LIMIT) -> tuple[np.ndarray, np.ndarray]:
+        peak_limit: float = PEAK_LIMIT, target: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Scale `clean` to `level` dBFS and `noise` to `snr` dB below it; returns (noisy, clean),
-    float32, with |noisy| and |clean| <= `peak_limit`. `noise=None` gives a noise-free example."""
+    float32, with |noisy| and |clean| <= `peak_limit`. `noise=None` gives a noise-free example.
+    `target`, when given, is what the model should recover from the speech in the mixture (e.g. its
+    direct path when `clean` is reverberant): it gets the same gain as `clean` and is returned in
+    its place."""
     clean = np.asarray(clean, dtype=np.float64)
     rc = active_rms(clean)
     if rc <= 0.0:
         raise ValueError("clean speech is silent")
-    clean = clean * (10.0 ** (level / 20.0) / rc)
+    g = 10.0 ** (level / 20.0) / rc
+    ref = None if target is None else np.asarray(target, dtype=np.float64) * g
+    if ref is not None and ref.shape != clean.shape:
+        raise ValueError(f"target {ref.shape} and clean {clean.shape} differ in length")
+    clean = clean * g
     if noise is None:
         noisy = clean
     else:
@@ -56,6 +63,8 @@ def mix(clean: np.ndarray, noise: np.ndarray | None, snr: float, level: float,
             raise ValueError(f"noise {noise.shape} and clean {clean.shape} differ in length")
         rn = active_rms(noise)
         noisy = clean if rn <= 0.0 else clean + noise * (active_rms(clean) / rn / 10.0 ** (snr / 20.0))
+    if ref is not None:
+        clean = ref
     peak = max(np.abs(noisy).max(), np.abs(clean).max())
     if peak > peak_limit:
         g = peak_limit / peak

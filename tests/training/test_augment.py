@@ -1,0 +1,244 @@
+"""Augmentations, the held-out sources, the unseen-source dev set, the cosine schedule and dev scoring."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.conftest import speechlike
+from training import augment
+from training.audio_cache import AudioSet
+from training.cli import main as train_main
+from training.cli import parse_mix_settings
+from training.data import AUGMENT_RECIPE, MixConfig, Synthesizer
+from training.devscore import DevScore
+from training.holdout import UNSEEN_SOURCES, split_unseen
+from training.layouts import corpus_layout
+from training.loop import cosine_lr
+from training.manifests import Item
+from training.mixing import active_rms
+
+SR = 16000
+
+
+def band_energy_db(x: np.ndarray, lo: float, hi: float) -> float:
+    spec = np.abs(np.fft.rfft(x.astype(np.float64))) ** 2
+    f = np.fft.rfftfreq(len(x), 1 / SR)
+    return 10 * np.log10(spec[(f >= lo) & (f < hi)].sum() / spec.sum())
+
+
+def sets():
+    r = np.random.default_rng(0)
+    speech = AudioSet.from_arrays([Item(f"s{i}", group=f"libri {i}", bandwidth_hz=8000) for i in range(6)],
+                                  [speechlike(SR * 3, SR, seed=i) for i in range(6)])
+    noise = AudioSet.from_arrays([Item(f"n{i}", group=f"n {i}") for i in range(3)],
+                                 [(0.1 * r.standard_normal(SR * 2)).astype(np.float32) for _ in range(3)])
+    music = AudioSet.from_arrays([Item("m0", group="m 0")], [(0.1 * np.sin(np.arange(40000) * 0.05)).astype(np.float32)])
+    return speech, noise, music
+
+
+def test_lowpass_removes_the_band_above_the_cut():
+    x = np.random.default_rng(1).standard_normal(SR).astype(np.float32)
+    y = augment.lowpass(x, 4000.0)
+    assert band_energy_db(y, 4000, 8000) < -60  # was -3 dB (white noise: half the energy)
+    f = np.fft.rfftfreq(SR, 1 / SR)
+    X, Y = np.fft.rfft(x.astype(np.float64)), np.fft.rfft(y.astype(np.float64))
+    assert np.abs(Y[f < 3700] / X[f < 3700] - 1).max() < 1e-5  # the pass band is untouched (float32 rounding)
+
+
+def test_reverb_target_is_the_direct_path_plus_early_reflections():
+    x = speechlike(SR * 2, SR, seed=3).astype(np.float64)
+    wet, target = augment.reverberate(np.random.default_rng(2), x, (0.6, 0.6), (0.0, 0.0), 50.0)
+    rng = np.random.default_rng(2)  # the same draws: rt60, DRR, then the response
+    h = augment.room_impulse_response(rng, rng.uniform(0.6, 0.6), rng.uniform(0.0, 0.0))
+    ref_wet, ref_target = np.convolve(x, h)[: len(x)], np.convolve(x, h[:800])[: len(x)]
+    for got, ref in ((wet, ref_wet), (target, ref_target)):
+        assert got.shape == x.shape
+        assert np.sqrt(np.mean((got - ref) ** 2)) < 1e-5 * np.sqrt(np.mean(ref ** 2))  # float32 output
+    # DRR 0 dB: reverberant energy equals the direct path's; the response decays by 60 dB in RT60
+    assert h[0] == 1.0 and np.sum(h[1:] ** 2) == pytest.approx(1.0)
+    e = np.cumsum(h[1:][::-1] ** 2)[::-1]  # Schroeder backward integral
+    t60 = np.argmax(10 * np.log10(e / e[0]) < -20) / SR * 3  # T20 extrapolated to 60 dB
+    assert t60 == pytest.approx(0.6, rel=0.15)
+
+
+def test_speed_change_scales_length_and_pitch():
+    t = np.arange(SR) / SR
+    x = np.sin(2 * np.pi * 1000 * t).astype(np.float32)
+    y = augment.change_speed(x, 1.1)
+    assert len(y) == pytest.approx(SR / 1.1, rel=0.01)
+    f = np.fft.rfftfreq(len(y), 1 / SR)[np.argmax(np.abs(np.fft.rfft(y)))]
+    assert f == pytest.approx(1100, rel=0.01)
+
+
+def test_eq_stays_within_its_range():
+    g = augment.smooth_eq_gain(np.random.default_rng(4), 257, 8.0)
+    db = 20 * np.log10(g)
+    assert np.abs(db).max() <= 8.0 + 1e-9 and np.abs(db).max() > 1.0
+
+
+@pytest.mark.parametrize("kind", augment.PROCEDURAL_KINDS)
+def test_procedural_noises_are_finite_unit_rms_and_distinct(kind):
+    x, k = augment.procedural_noise(np.random.default_rng(5), SR * 2, kind)
+    assert k == kind and np.isfinite(x).all()
+    assert np.sqrt(np.mean(x.astype(np.float64) ** 2)) == pytest.approx(1.0, rel=1e-3)
+    if kind == "hum":  # energy sits at the mains harmonics, below 1 kHz
+        assert band_energy_db(x, 0, 1000) > -1.0
+
+
+def test_coloured_noise_slope():
+    x = augment.coloured_noise(np.random.default_rng(6), SR * 4, 2.0)  # brown: -6 dB per octave
+    assert band_energy_db(x, 100, 200) - band_energy_db(x, 1600, 3200) == pytest.approx(10 * np.log10(16), abs=1.0)  # 1/f^2 integrated: (1/100-1/200)/(1/1600-1/3200)
+
+
+def test_recipe_examples_are_valid_reproducible_and_use_every_augmentation():
+    speech, noise, music = sets()
+    cfg = MixConfig.from_dict({**MixConfig().to_dict(), **AUGMENT_RECIPE})
+    synth = Synthesizer(speech, noise, music, cfg, seed=7)
+    seen = set()
+    for i in range(300):
+        e = synth.example(i)
+        assert e.noisy.shape == e.clean.shape == (cfg.segment_samples,)
+        assert np.isfinite(e.noisy).all() and max(np.abs(e.noisy).max(), np.abs(e.clean).max()) <= 0.99 + 1e-6
+        assert 0 < e.bandwidth_hz <= SR / 2
+        seen |= {a.split()[0] for a in e.info["augment"]} | {e.info["noise"].split()[0].split("+")[0]}
+        if any(a.startswith("lowpass") for a in e.info["augment"]):
+            assert e.bandwidth_hz <= 7000
+    assert {"reverb", "eq", "speed", "lowpass", "clip", "procedural", "music", "babble", "noise"} <= seen
+    again = Synthesizer(speech, noise, music, cfg, seed=7).example(123)
+    assert np.array_equal(again.noisy, synth.example(123).noisy)
+
+
+def test_default_config_draws_the_same_examples_as_before_augmentations():
+    """All augmentations off (the default) consumes no random draws: old runs resume unchanged."""
+    speech, noise, music = sets()
+    base = Synthesizer(speech, noise, music, MixConfig(), seed=3).example(11)
+    off = MixConfig.from_dict({**MixConfig().to_dict(), "p_reverb": 0.0, "p_speed": 0.0})
+    assert np.array_equal(Synthesizer(speech, noise, music, off, seed=3).example(11).noisy, base.noisy)
+    assert base.info["augment"] == []
+
+
+def test_mix_settings_parse_and_refuse():
+    assert parse_mix_settings(["p_reverb=0.3", "rt60_s=0.3,0.8", "babble_talkers=2,9"]) == {
+        "p_reverb": 0.3, "rt60_s": (0.3, 0.8), "babble_talkers": (2, 9)}
+    for bad in (["p_reverb"], ["nope=1"], ["p_reverb=x"], ["rt60_s=0.3"], ["p_reverb=1.5"]):
+        with pytest.raises(ValueError):
+            parse_mix_settings(bad)
+    with pytest.raises(ValueError, match="unknown mixing setting"):
+        MixConfig.from_dict({"bogus": 1})
+
+
+def test_cosine_schedule():
+    assert cosine_lr(0, 1e-3, 10, 110, 0.0) == pytest.approx(1e-4)
+    assert cosine_lr(9, 1e-3, 10, 110, 0.0) == pytest.approx(1e-3)
+    assert cosine_lr(60, 1e-3, 10, 110, 1e-5) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert cosine_lr(110, 1e-3, 10, 110, 1e-5) == pytest.approx(1e-5)
+    assert cosine_lr(500, 1e-3, 10, 110, 1e-5) == pytest.approx(1e-5)
+
+
+def test_dev_score_prefers_pesq_and_breaks_ties_by_dnsmos():
+    a = DevScore(2.0, 3.0, 10)
+    assert DevScore(2.01, 1.0, 10).better_than(a)
+    assert not DevScore(1.99, 4.0, 10).better_than(a)
+    assert DevScore(2.003, 3.1, 10).better_than(a) and not DevScore(2.003, 2.9, 10).better_than(a)
+    assert a.better_than(None) and not DevScore(math.nan, 3.0, 0).better_than(None)
+    assert DevScore.from_dict(a.to_dict()) == a
+
+
+def test_unseen_sources_leave_training_whole(tmp_path):
+    root = tmp_path
+    items = [Item(str(root / "noise" / "lugaru" / "wind.ogg")), Item(str(root / "noise" / "0ad" / "rain.ogg")),
+             Item(str(root / "music" / "lincity-ng" / "a.ogg")), Item("/elsewhere/noise/lugaru/x.wav")]
+    kept, held = split_unseen(items[:2] + items[3:], "noise", root)
+    assert held == items[:1] and kept == items[1:2] + items[3:]  # a file outside the corpus is kept
+    kept, held = split_unseen(items[2:3], "music", root)
+    assert held == items[2:3] and "lincity-ng" in UNSEEN_SOURCES["music"]
+
+
+def add_unseen_sources(corpus, tmp_path):
+    """A copy of the test corpus's manifests plus held-out noise and music sources."""
+    import shutil
+
+    root = tmp_path / "corpus"
+    shutil.copytree(corpus, root)
+    r = np.random.default_rng(9)
+    for cat, src in (("noise", "lugaru"), ("music", "unknown-horizons")):
+        for split in ("train", "valid"):
+            rel = f"{cat}/{src}/{split}.wav"
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            x = (0.1 * r.standard_normal(SR * 2)).astype(np.float32)
+            sf.write(root / rel, x, SR)
+            with open(root / "manifests" / f"{cat}_{split}.tsv", "a") as f:
+                f.write(f"{rel}\t2.000\t{SR}\t{src}\t8000\n")
+    return root
+
+
+def test_corpus_layout_holds_out_unseen_sources_from_both_splits(corpus, tmp_path):
+    root = add_unseen_sources(corpus, tmp_path)
+    data = corpus_layout(root)
+    for lists in (data.train, data.valid):
+        for cat in ("noise", "music"):
+            assert not any("/lugaru/" in it.path or "/unknown-horizons/" in it.path for it in lists[cat])
+    assert len(data.unseen["noise"]) == 2 and len(data.unseen["music"]) == 2
+    everything = corpus_layout(root, hold_out=False)
+    assert len(everything.train["noise"]) == len(data.train["noise"]) + 1
+
+
+def test_unseen_devset_uses_only_held_out_noises_and_every_kind(corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = add_unseen_sources(corpus, tmp_path)
+    out = tmp_path / "dev"
+    code = train_main(["devset", "--unseen", "--data", str(root), "--out", str(out), "-n", "18", "--real-pairs", ""])
+    assert code == 0
+    rows = [line.split("\t") for line in (out / "manifest.tsv").read_text().splitlines()[1:]]
+    assert len(rows) == 18
+    assert {r[1] for r in rows} == {"-5", "0", "5", "10", "15", "20"}
+    assert {r[3] for r in rows} == {"noise", "music", "babble"}
+    for r in rows:
+        assert r[0].startswith(f"snr{int(r[1]):03d}_{r[3]}_")
+        noisy, _ = sf.read(out / "noisy" / r[0])
+        clean, _ = sf.read(out / "clean" / r[0])
+        snr = 20 * np.log10(active_rms(clean) / active_rms(noisy - clean))
+        assert snr == pytest.approx(float(r[1]), abs=0.5)  # 16-bit files: within half a dB
+    # without held-out sources in the corpus the command says so
+    assert train_main(["devset", "--unseen", "--data", str(corpus), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_fit_with_augmentation_cosine_schedule_and_dev_selection(corpus, tiny_config, cache_dir, tmp_path):
+    import csv
+
+    import torch
+
+    from enhancer import load_checkpoint
+    from training.devset import build_devset
+
+    threads = torch.get_num_threads()
+    dev = build_devset(corpus, tmp_path / "dev", n=4, seconds=(1.5, 1.5), real_pairs=None, cache_root=cache_dir,
+                       log=lambda m: None)
+    out = tmp_path / "run"
+    args = ["fit", "--config", str(tiny_config), "--data", str(corpus), "--out", str(out), "--max-steps", "6",
+            "--batch-size", "2", "--segment-seconds", "0.5", "--valid-every", "0", "--log-every", "1",
+            "--norm-examples", "8", "--valid-examples", "4", "--valid-seconds", "1", "--cache-dir", str(cache_dir),
+            "--threads", "1", "--precision", "fp32", "--lr", "1e-3", "--jobs", "1", "--quiet",
+            "--augment", "--mix", "p_reverb=1", "--schedule", "cosine", "--warmup-steps", "2", "--total-steps", "6",
+            "--final-lr", "1e-5", "--dev", str(dev), "--dev-every", "3", "--dev-files", "3"]
+    try:
+        assert train_main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    lrs = {int(r["step"]): float(r["lr"]) for r in rows if r["split"] == "train"}
+    for step, lr in lrs.items():  # the row of step s is written after the update that used cosine_lr(s - 1)
+        assert lr == pytest.approx(cosine_lr(step - 1, 1e-3, 2, 6, 1e-5), rel=1e-3)
+    dev_rows = [r for r in rows if r["split"] == "dev_pesq_wb"]
+    assert [int(r["step"]) for r in dev_rows] == [3, 6]
+    assert all(1.0 <= float(r["loss"]) <= 4.7 for r in dev_rows)  # PESQ-WB's range
+    best = load_checkpoint(out / "checkpoints" / "best.pt").checkpoint["extra"]["train"]
+    scores = [float(r["loss"]) for r in dev_rows]
+    assert any(best["best_dev"]["pesq_wb"] == pytest.approx(s, abs=1e-6) for s in scores)
+    assert best["best_dev"]["pesq_wb"] >= max(scores) - 0.005  # the best, or a tie decided by DNSMOS
+    assert best["best_dev"]["files"] == 3
+    assert best["mix"]["p_reverb"] == 1.0 and best["mix"]["p_speed"] == AUGMENT_RECIPE["p_speed"]
