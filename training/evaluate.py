@@ -16,6 +16,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -186,6 +187,11 @@ def write_reports(out: Path, pairs: list[Pair], rows: dict, seconds: dict, model
                "seconds": round(sum(seconds.values()), 3)}
     for tag in ("noisy", "enhanced"):
         summary[tag] = {k: _mean(rows[n][f"{tag}_{k}"] for n in names) for k in keys}
+    groups = subsets(names)
+    if len(groups) > 1:
+        summary["subsets"] = {g: {"files": len(members), **{tag: {k: _mean(rows[n][f"{tag}_{k}"] for n in members)
+                                                                for k in keys} for tag in ("noisy", "enhanced")}}
+                              for g, members in groups.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(out / "per_file.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -194,6 +200,30 @@ def write_reports(out: Path, pairs: list[Pair], rows: dict, seconds: dict, model
             w.writerow([n, f"{seconds[n]:.3f}"] + [f"{rows[n][f'{t}_{k}']:.4f}" for k in keys for t in ("noisy", "enhanced")])
     (out / "summary.md").write_text(markdown_table(summary, keys))
     return summary
+
+
+_SNR_NAME = re.compile(r"snr(-?\d+)")
+_KIND_NAME = re.compile(r"_(noise|music|babble)_")
+
+
+def subsets(names: list[str]) -> dict[str, list[str]]:
+    """The dev sets' subsets by file name: `snr-05_music_0007.wav` is in "-5 dB" and "music",
+    `real_p287_001.wav` in "real"; in SNR order, then the kinds."""
+    by_snr, by_kind = {}, {}
+    for n in names:
+        base = Path(n).name
+        if base.startswith("real_"):
+            by_kind.setdefault("real", []).append(n)
+            continue
+        m = _SNR_NAME.match(base)
+        if m:
+            by_snr.setdefault(int(m.group(1)), []).append(n)
+        k = _KIND_NAME.search(base)
+        if k:
+            by_kind.setdefault(k.group(1), []).append(n)
+    out = {f"{snr} dB": by_snr[snr] for snr in sorted(by_snr)}
+    out.update({k: by_kind[k] for k in ("noise", "music", "babble", "real") if k in by_kind})
+    return out
 
 
 def markdown_table(summary: dict, keys) -> str:
@@ -207,6 +237,12 @@ def markdown_table(summary: dict, keys) -> str:
         a, b = summary["noisy"][k], summary["enhanced"][k]
         d = None if a is None or b is None else b - a
         lines.append(f"| {LABELS[k]} | {fmt(a)} | {fmt(b)} | {'n/a' if d is None else f'{d:+.3f}'} |")
+    if summary.get("subsets"):
+        lines += ["", "| subset | files | " + " | ".join(f"{LABELS[k]} noisy | {LABELS[k]} enhanced" for k in keys) + " |",
+                  "|---|---:|" + "---:|" * (2 * len(keys))]
+        for g, sub in summary["subsets"].items():
+            lines.append(f"| {g} | {sub['files']} | "
+                         + " | ".join(f"{fmt(sub['noisy'][k])} | {fmt(sub['enhanced'][k])}" for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 

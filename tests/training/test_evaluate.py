@@ -156,3 +156,15 @@ def test_eval_without_clean_uses_dnsmos(tiny_onnx, tmp_path):
     assert set(s["noisy"]) == {"dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl"}
     assert all(1.0 <= v <= 5.0 for v in s["enhanced"].values())
     assert not (out / "enhanced").exists()
+
+
+def test_subsets_by_snr_and_kind_from_dev_set_names():
+    from training.evaluate import subsets
+
+    names = ["snr-05_music_0007.wav", "snr000_noise_0001.wav", "snr020_babble_0002.wav", "snr05_0042.wav",
+             "real_p287_001.wav", "other.wav"]
+    assert subsets(names) == {"-5 dB": ["snr-05_music_0007.wav"], "0 dB": ["snr000_noise_0001.wav"],
+                              "5 dB": ["snr05_0042.wav"], "20 dB": ["snr020_babble_0002.wav"],
+                              "noise": ["snr000_noise_0001.wav"], "music": ["snr-05_music_0007.wav"],
+                              "babble": ["snr020_babble_0002.wav"], "real": ["real_p287_001.wav"]}
+    assert subsets(["a.wav", "b.wav"]) == {}
