@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .audio_cache import AudioReadError, load_audio
+from .devnames import KINDS, kind_of
 from .layouts import Pair, dns_test_pairs, paired_folders, voicebank_test_pairs
 from .manifests import DataError
 
@@ -203,7 +204,6 @@ def write_reports(out: Path, pairs: list[Pair], rows: dict, seconds: dict, model
 
 
 _SNR_NAME = re.compile(r"snr(-?\d+)")
-_KIND_NAME = re.compile(r"_(noise|music|babble)_")
 
 
 def subsets(names: list[str]) -> dict[str, list[str]]:
@@ -211,18 +211,14 @@ def subsets(names: list[str]) -> dict[str, list[str]]:
     `real_p287_001.wav` in "real"; in SNR order, then the kinds."""
     by_snr, by_kind = {}, {}
     for n in names:
-        base = Path(n).name
-        if base.startswith("real_"):
-            by_kind.setdefault("real", []).append(n)
-            continue
-        m = _SNR_NAME.match(base)
-        if m:
+        kind = kind_of(n)
+        if kind is not None:
+            by_kind.setdefault(kind, []).append(n)
+        m = _SNR_NAME.match(Path(n).name)
+        if m and kind != "real":
             by_snr.setdefault(int(m.group(1)), []).append(n)
-        k = _KIND_NAME.search(base)
-        if k:
-            by_kind.setdefault(k.group(1), []).append(n)
     out = {f"{snr} dB": by_snr[snr] for snr in sorted(by_snr)}
-    out.update({k: by_kind[k] for k in ("noise", "music", "babble", "real") if k in by_kind})
+    out.update({k: by_kind[k] for k in KINDS if k in by_kind})
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .devnames import KINDS, kind_of
 from .peers_score import LABELS, METRICS, SCORE_RATE
 
 CSV_COLUMNS = ("peer", "file", "snr", "seconds", "enhance_seconds", "rtf", *METRICS, "error")
@@ -46,6 +47,8 @@ def summarize(results: list[dict], meta: dict | None = None) -> dict:
             "mean": _means(ok) if ok else {},
             "by_snr": {str(s): {"files": sum(r["snr"] == s for r in ok), **_means([r for r in ok if r["snr"] == s])}
                        for s in snrs},
+            "by_kind": {k: {"files": len(rk), **_means(rk)}
+                        for k in KINDS if (rk := [r for r in ok if kind_of(r["file"]) == k])},
             "load_seconds": res.get("load_seconds", math.nan),
             "audio_seconds": audio,
             "enhance_seconds": wall,
@@ -95,6 +98,15 @@ def markdown(summary: dict) -> str:
             out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean']['pesq_wb'])} |")
         if any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
             out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
+    kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
+    if kinds:
+        out += ["", "## Per noise kind (from the file names)", "",
+                "| Peer | " + " | ".join(f"{k} PESQ-WB | {k} STOI" for k in kinds) + " |",
+                "|---|" + "---:|" * (2 * len(kinds))]
+        for k in order:
+            by = ran[k].get("by_kind", {})
+            cells = [f"{_fmt(by.get(c, {}).get('pesq_wb'))} | {_fmt(by.get(c, {}).get('stoi'))}" for c in kinds]
+            out.append(f"| {k} | " + " | ".join(cells) + " |")
     missing = {k: v for k, v in peers.items() if v["status"] != "ok"}
     if missing:
         out += ["", "## Not run", ""] + [f"- {k}: {v['status']}: {v['reason']}" for k, v in missing.items()]

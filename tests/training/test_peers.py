@@ -263,3 +263,14 @@ def test_tim_enhancer_row_runs_the_model(tmp_path, model_path):
     assert res["name"] == "tim-test" and res["status"] == "ok"
     [row] = res["rows"]
     assert row["error"] == "" and np.isfinite(row["pesq_wb"]) and row["seconds"] == pytest.approx(1.0)
+
+
+def test_reports_break_down_by_noise_kind(tmp_path):
+    pairs = _pairs(tmp_path, names=("snr-05_music_0001.wav", "snr005_babble_0002.wav", "real_p287_001.wav"), seconds=1.0)
+    results = run_benchmark(pairs, [PeerSpec("noisy")], isolate=False)
+    paths = write_reports(results, tmp_path / "out")
+    noisy = json.loads(paths["json"].read_text())["peers"]["noisy"]
+    assert {k: v["files"] for k, v in noisy["by_kind"].items()} == {"music": 1, "babble": 1, "real": 1}
+    assert noisy["by_kind"]["music"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)  # noisy == clean here
+    assert "| Peer | music PESQ-WB | music STOI | babble PESQ-WB | babble STOI | real PESQ-WB | real STOI |" in \
+        paths["md"].read_text()
