@@ -33,7 +33,7 @@ MODEL_ENV = "TIM_ENHANCER_MODEL"
 # Frames (16 ms hops) per call when audio is already there: `enhancer bench` measures the offline
 # real-time factor at several sizes (`offline_frames`); from about 32 on the weights are read
 # rarely enough that the call is bound by arithmetic, and the in-call attention grows with T.
-OFFLINE_FRAMES = 64
+OFFLINE_FRAMES = 128
 
 
 def default_model_path() -> Path:
