@@ -4,8 +4,10 @@ Measures, with one intra-op thread per session: the algorithmic latency; compute
 (p50/p99) at several batch sizes (streams stacked in one call, rings written in place as in serving),
 back to back and paced at one step per hop as live streams arrive (the weights and rings then
 come from colder caches, so a paced step costs more);
-the real-time factor of offline `enhance`; how many streams one core holds in real time (the largest
-measured batch whose p99 step time fits in one hop); and the peak resident memory.
+the real-time factor of offline `enhance` (T = `OFFLINE_FRAMES` hops per call) and of offline runs
+at several T, with the best T (by CPU time: on a shared machine it is the steadier clock; with one
+thread it is the compute time); how many streams one core holds in real time (the largest measured
+batch whose p99 step time fits in one hop); and the peak resident memory.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ import time
 
 import numpy as np
 
-from .runtime import Enhancer, LanePool
+from .runtime import OFFLINE_FRAMES, Enhancer, LanePool
 
 BATCHES = (1, 4, 16, 32, 64)
 PACED_BATCHES = (1, 16)
+OFFLINE_SWEEP = (1, 16, 32, 64, 128, 256)  # frames per call of the offline runs
 
 
 def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: int = 0, pace_s: float = 0.0) -> np.ndarray:
@@ -39,6 +42,18 @@ def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: in
         if pace_s:
             time.sleep(max(0.0, pace_s - (time.perf_counter() - t0)))
     return np.array(times[warmup:]) * 1000.0
+
+
+def time_offline(enh: Enhancer, x: np.ndarray, frames: int) -> tuple[float, float]:
+    """Real-time factor of one 16 kHz mono signal run through a stream in calls of `frames` hops:
+    (wall clock, CPU time of this process)."""
+    s = enh.stream()
+    s.frames_per_call = frames
+    t0, c0 = time.perf_counter(), time.process_time()
+    s.feed(x)
+    s.flush()
+    seconds = len(x) / enh.config.stft.sample_rate
+    return (time.perf_counter() - t0) / seconds, (time.process_time() - c0) / seconds
 
 
 def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0) -> dict:
@@ -66,9 +81,17 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
     best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
     res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
     x = (np.random.default_rng(1).standard_normal(int(seconds * 16000)) * 0.05).astype(np.float32)
-    t0 = time.perf_counter()
+    enh.enhance(x[:16000], 16000)  # warm up the multi-frame shapes
+    t0, c0 = time.perf_counter(), time.process_time()
     enh.enhance(x, 16000)
     res["offline_rtf"] = (time.perf_counter() - t0) / seconds
+    res["offline_rtf_cpu"] = (time.process_time() - c0) / seconds
+    res["offline_frames"] = OFFLINE_FRAMES
+    res["offline"] = []
+    for t in OFFLINE_SWEEP:
+        wall, cpu = time_offline(enh, x[: int(min(seconds, 4.0 if t == 1 else seconds) * 16000)], t)
+        res["offline"].append({"frames": t, "rtf": wall, "rtf_cpu": cpu})
+    res["offline_best_frames"] = min(res["offline"], key=lambda r: r["rtf_cpu"])["frames"]
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return res
 
@@ -91,7 +114,10 @@ def format_table(res: dict) -> str:
         "",
         f"streams per core {res['streams_per_core']} (largest measured batch in real time); "
         f"{res['streams_per_core_throughput']:.1f} by best per-stream throughput",
-        f"offline enhance  real-time factor {res['offline_rtf']:.3f} (1 thread)",
+        f"offline enhance  real-time factor {res['offline_rtf']:.3f} wall, {res['offline_rtf_cpu']:.3f} CPU "
+        f"(1 thread, {res['offline_frames']} frames per call)",
+        "offline by T     " + "; ".join(f"T={r['frames']}: {r['rtf']:.3f} / {r['rtf_cpu']:.3f}" for r in res["offline"])
+        + f" (wall / CPU); best T = {res['offline_best_frames']}",
         f"peak memory      {res['peak_rss_mb']:.0f} MB RSS",
     ]
     return "\n".join(lines)

@@ -20,8 +20,9 @@ META_PREFIX = "tim_enhancer."
 def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: int = 0, verbose: bool = False,
                 fp16_weights: bool = False, int8_weights: bool = False) -> dict:
     """Write `model`'s step graph to `path`. Returns a report with the max abs difference between
-    onnxruntime and torch over `n_check_steps` steps of random audio (default: 2 x window), and
-    the signal-to-difference ratio of the output audio (`parity_snr_db`).
+    onnxruntime and torch over `n_check_steps` frames of random audio (default: 3 x window), run in
+    calls of 1 to W + 5 frames (`check_chunks`), and the signal-to-difference ratio of the output
+    audio (`parity_snr_db`).
 
     `int8_weights` stores the dense layers' weights as 8-bit blocks (`enhancer.quantize`): a
     quarter of the bytes to read per step, so a faster step at small batches, but no longer exact:
@@ -42,14 +43,19 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     names_in, names_out = input_names(cfg), output_names(cfg)
     hop = cfg.stft.hop
     caches = [torch.from_numpy(c) for c in init_caches(cfg, batch)]
-    args = (torch.zeros(batch, hop), torch.zeros(batch), torch.zeros(batch, dtype=torch.long), *caches)
+    frames = 3  # traced with T = 3 (no axis of size 1 that tracing could take for a constant); T is dynamic
+    args = (torch.zeros(batch, frames, hop), torch.zeros(batch), torch.zeros(batch, dtype=torch.long), *caches)
+    axes = {n: {0: "batch"} for n in names_in + names_out}
+    for n in ("hops", "out", "competition", "activity"):
+        axes[n] = {0: "batch", 1: "frames"}
+    axes["kv_rows"] = {0: "batch", 3: "frames"}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             step, args, str(path), dynamo=False, opset_version=OPSET, input_names=names_in,
-            output_names=names_out, dynamic_axes={n: {0: "batch"} for n in names_in + names_out},
+            output_names=names_out, dynamic_axes={n: a for n, a in axes.items() if n in names_in + names_out},
             do_constant_folding=True,
         )
     proto = onnx.load(str(path))
@@ -61,6 +67,7 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
         "parameters": str(count_parameters(model)),
         "delay_samples": str(cfg.delay_samples),
         "latency_ms": str(cfg.algorithmic_latency_ms),
+        "frames_per_call": "dynamic",  # T of hops (B, T, hop): 1 for live steps, any T for offline chunks
         "inputs": json.dumps(names_in),
         "outputs": json.dumps(names_out),
         "weights": weights,
@@ -80,7 +87,7 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     report = {"path": str(path), "parameters": count_parameters(model), "bytes": path.stat().st_size}
     if check:
         onnx.checker.check_model(str(path), full_check=True)
-        n = n_check_steps or 2 * cfg.window + 8
+        n = n_check_steps or 3 * cfg.window + 8
         report["max_abs_diff"], report["parity_snr_db"] = compare_with_torch(step, path, batch, n)
         if verbose:
             print(f"onnxruntime vs torch over {n} steps: max abs diff {report['max_abs_diff']:.3g}, "
@@ -89,10 +96,26 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     return report
 
 
+CHECK_CHUNKS = (1, 3, 1, 64, 2, 1, 31, 1)  # frames per call of the parity check, cycled, then one of W + 5
+
+
+def check_chunks(window: int, n_frames: int) -> list[int]:
+    """Frames per call covering `n_frames`: single steps, small and large chunks (`CHECK_CHUNKS`,
+    cycled), and once the rings have wrapped one chunk longer than the attention window."""
+    sizes, long_done = [], False
+    while (total := sum(sizes)) < n_frames:
+        if total >= window and not long_done:
+            t, long_done = window + 5, True
+        else:
+            t = CHECK_CHUNKS[len(sizes) % len(CHECK_CHUNKS)]
+        sizes.append(min(t, n_frames - total))
+    return sizes
+
+
 def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0) -> tuple[float, float]:
-    """Run the same random audio through torch and onnxruntime step by step (streams at different
-    positions): the max abs difference of the output audio, and the ratio of the output's energy
-    to the difference's in dB (inf when they are identical)."""
+    """Run the same random audio through torch and onnxruntime, in calls of `check_chunks` frames
+    (streams at different positions): the max abs difference of the output audio, and the ratio of
+    the output's energy to the difference's in dB (inf when they are identical)."""
     import onnxruntime as ort
     import torch
 
@@ -110,18 +133,18 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0) -> t
     names = [i.name for i in sess.get_inputs()]
     worst, energy, diff = 0.0, 0.0, 0.0
     with torch.no_grad():
-        for _ in range(n_steps):
-            hop = (rng.standard_normal((batch, cfg.stft.hop)) * 0.1).astype(np.float32)
-            o = sess.run(None, dict(zip(names, [hop, min_gain, pos, *np_c])))
-            t = step(torch.from_numpy(hop), torch.from_numpy(min_gain), torch.from_numpy(pos), *t_c)
-            ref = t[0].numpy().astype(np.float64)
+        for t in check_chunks(cfg.window, n_steps):
+            hops = (rng.standard_normal((batch, t, cfg.stft.hop)) * 0.1).astype(np.float32)
+            o = sess.run(None, dict(zip(names, [hops, min_gain, pos, *np_c])))
+            r = step(torch.from_numpy(hops), torch.from_numpy(min_gain), torch.from_numpy(pos), *t_c)
+            ref = r[0].numpy().astype(np.float64)
             d = o[0] - ref
             worst = max(worst, float(np.abs(d).max()))
             energy, diff = energy + float((ref ** 2).sum()), diff + float((d ** 2).sum())
             write_rings(np_c[n_state:], o[n_head - 1], pos, cfg.window)
-            write_rings(t_c[n_state:], t[n_head - 1], torch.from_numpy(pos), cfg.window)
-            np_c[:n_state], t_c[:n_state] = o[n_head:], list(t[n_head:])
-            pos = pos + 1
+            write_rings(t_c[n_state:], r[n_head - 1], torch.from_numpy(pos), cfg.window)
+            np_c[:n_state], t_c[:n_state] = o[n_head:], list(r[n_head:])
+            pos = pos + t
     snr = float("inf") if diff == 0 else float(10 * np.log10(energy / diff)) if energy > 0 else float("-inf")
     return worst, snr
 

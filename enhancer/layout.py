@@ -9,7 +9,10 @@ from .config import ModelConfig
 
 # Version of the step graph's interface (input/output layout); stored in the model's metadata.
 # 2: kv_rows is (B, H, 2N, dh).
-STEP_FORMAT = "2"
+# 3: a dynamic time axis, T frames per call: hops (B, T, hop), out (B, T, hop), competition
+#    (B, T, n_tim, n_s), activity (B, T), kv_rows (B, H, 2N * T, dh) (that is (B, H, 2N, T, dh)
+#    flattened); pos is the first frame's index.
+STEP_FORMAT = "3"
 
 
 def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -40,7 +43,7 @@ def output_names(cfg: ModelConfig) -> list[str]:
 
 
 def input_names(cfg: ModelConfig) -> list[str]:
-    return ["hop", "min_gain", "pos"] + [n for n, _ in cache_specs(cfg)]
+    return ["hops", "min_gain", "pos"] + [n for n, _ in cache_specs(cfg)]
 
 
 def init_caches(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
@@ -48,12 +51,31 @@ def init_caches(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
 
 
 def write_rings(rings, kv_rows, pos, window: int, batch=None) -> None:
-    """Write new key/value rows into slot pos % W of the rings, in place.
+    """Write the new key/value rows of one call (T frames) into slots (pos + t) % W, in place.
 
-    rings: k0..kN-1, v0..vN-1, each (B, H, W, dh), numpy or torch; kv_rows (k, H, 2N, dh) (the
-    rings' rows in the same order) and pos (k,) for the k streams at indices `batch` of the rings
-    (default: all B, in order)."""
-    slot = pos % window
-    batch = np.arange(slot.shape[0]) if batch is None else batch
+    rings: k0..kN-1, v0..vN-1, each (B, H, W, dh), or one array (2N, B, H, W, dh) holding them all
+    (written with one assignment); numpy or torch. kv_rows (k, H, 2N * T, dh) as the graph returns
+    it ((k, H, 2N, T, dh) flattened: the rings' rows in the same order) and pos (k,) (the first
+    frame's index) for the k streams at indices `batch` of the rings (default: all B, in order).
+    Of more than W frames only the last W are kept."""
+    k, h, _, dh = kv_rows.shape
+    kv_rows = kv_rows.reshape(k, h, len(rings), -1, dh)  # (k, H, 2N, T, dh)
+    t = kv_rows.shape[3]
+    if t > window:
+        kv_rows, pos, t = kv_rows[:, :, :, t - window:], pos + (t - window), window
+    if isinstance(pos, np.ndarray):
+        offsets = np.arange(t)
+        batch = np.arange(pos.shape[0]) if batch is None else np.asarray(batch)
+    else:
+        import torch
+
+        offsets = torch.arange(t)
+        batch = torch.arange(pos.shape[0]) if batch is None else torch.as_tensor(batch)
+    slots = (pos[:, None] + offsets[None, :]) % window  # (k, T)
+    lanes = batch[:, None]  # (k, 1)
+    if not isinstance(rings, (list, tuple)):  # (2N, B, H, W, dh): indexed as (k, T, 2N, H, dh)
+        rings[:, lanes, :, slots] = kv_rows.transpose(0, 3, 2, 1, 4) if isinstance(kv_rows, np.ndarray) \
+            else kv_rows.permute(0, 3, 2, 1, 4)
+        return
     for j, ring in enumerate(rings):
-        ring[batch, :, slot] = kv_rows[:, :, j]  # (k, H, dh)
+        ring[lanes, :, slots] = kv_rows[:, :, j].swapaxes(1, 2)  # (k, T, H, dh)

@@ -5,9 +5,12 @@
     s = enh.stream(sample_rate=48000, channels=2)
     out = s.feed(chunk); ...; out_tail = s.flush()   # any chunk size; total out == total in
 
-Every path runs the exported step graph one 16 ms hop at a time. Per-stream state lives in a
-`LanePool`: batched cache arrays in which each stream (channel) owns a lane, so many streams can
-share one `session.run` (the server's scheduler), and a stream's key/value rings are written in place.
+Every path runs the exported step graph, whose time axis is dynamic: a live stream steps one
+16 ms hop per call (many streams batched in one call by the server's scheduler), while audio that is
+already there -- a file, a block fed at once, a stream's backlog -- goes through in calls of up to
+`OFFLINE_FRAMES` hops, so every weight is read once per chunk instead of once per hop. Both give
+the same output. Per-stream state lives in a `LanePool`: batched cache arrays in which each stream
+(channel) owns a lane, and a stream's key/value rings are written in place.
 """
 from __future__ import annotations
 
@@ -21,12 +24,16 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import AudioError, CheckpointError
-from .layout import STEP_FORMAT, input_names, output_names, ring_specs, state_specs
+from .layout import STEP_FORMAT, input_names, output_names, ring_specs, state_specs, write_rings
 from .signal import StreamResampler, check_audio, check_rate
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_MODEL = "tim.onnx"
 MODEL_ENV = "TIM_ENHANCER_MODEL"
+# Frames (16 ms hops) per call when audio is already there: `enhancer bench` measures the offline
+# real-time factor at several sizes (`offline_frames`); from about 32 on the weights are read
+# rarely enough that the call is bound by arithmetic, and the in-call attention grows with T.
+OFFLINE_FRAMES = 128
 
 
 def default_model_path() -> Path:
@@ -50,9 +57,11 @@ def min_gain_for(atten_lim_db: float | None) -> float:
 
 @dataclass
 class StepResult:
-    out: np.ndarray  # (k, hop)
-    competition: np.ndarray | None  # (k, n_tim, n_s)
-    activity: np.ndarray  # (k,)
+    """One call's result for k lanes: (k, ...) for `LanePool.step`, (k, T, ...) for `LanePool.run`."""
+
+    out: np.ndarray  # (k, [T,] hop)
+    competition: np.ndarray | None  # (k, [T,] n_tim, n_s)
+    activity: np.ndarray  # (k, [T])
 
 
 class Engine:
@@ -110,6 +119,7 @@ class Engine:
         return self.metadata.get("weights", "fp32 or fp16")
 
     def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> list[np.ndarray]:
+        """One graph call: hops (B, T, hop) for B streams whose first frame is at `pos` (B,)."""
         return self.session.run(None, dict(zip(self.input_names, [hops, min_gain, pos, *caches])))
 
 
@@ -154,8 +164,15 @@ class LanePool:
         self.pos[lanes] = 0
 
     def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
-        """Advance `lanes` (distinct) by one hop each. The call covers the lane range
-        [min, max]; lanes in it that are not stepping are computed but left untouched."""
+        """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
+        r = self.run(lanes, hops[:, None], min_gain)
+        comp = None if r.competition is None else r.competition[:, 0]
+        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
+
+    def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        """Advance `lanes` (distinct) by T hops each in one call: hops (k, T, hop) -> out (k, T, hop),
+        the same as T calls of `step`. The call covers the lane range [min, max]; lanes in it that
+        are not stepping are computed but left untouched."""
         eng = self.engine
         lo, hi = int(lanes.min()), int(lanes.max()) + 1
         idx = lanes - lo
@@ -164,18 +181,16 @@ class LanePool:
             h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
         else:
             sel = idx
-            h = np.zeros((hi - lo, hops.shape[1]), dtype=np.float32)
+            h = np.zeros((hi - lo,) + hops.shape[1:], dtype=np.float32)
             g = np.zeros(hi - lo, dtype=np.float32)
             h[idx], g[idx] = hops, min_gain
         views = [c[lo:hi] for c in self.caches]  # contiguous views, no copies
         pos = self.pos[lo:hi]
         o = eng.run(h, g, pos.copy(), views)
-        n_s = eng.n_state
-        rows = o[eng.n_head - 1][sel]  # (k, H, 2N, dh)
-        self.rings[:, lanes, :, pos[sel] % eng.config.window] = rows.transpose(0, 2, 1, 3)
-        for view, new in zip(views[:n_s], o[eng.n_head:]):
+        write_rings(self.rings, o[eng.n_head - 1][sel], pos[sel], eng.config.window, lanes)
+        for view, new in zip(views[:eng.n_state], o[eng.n_head:]):
             view[sel] = new[sel]
-        pos[sel] += 1
+        pos[sel] += hops.shape[1]
         comp = o[1][sel] if eng.with_comp else None
         return StepResult(out=o[0][sel], competition=comp, activity=o[eng.n_head - 2][sel])
 
@@ -188,8 +203,13 @@ class StreamingEnhancer:
     exactly as many samples as the total input, aligned sample for sample (the model's fixed delay
     is removed). After `flush()` the stream is fresh again. `reset()` drops everything.
 
-    For batched serving, `push()` / `ready_hops()` / `take_hops()` / `put_output()` / `pull()` split
-    `feed` so that a scheduler can step many streams in one call (`LanePool.step`).
+    `feed` runs whatever input is ready in calls of up to `frames_per_call` hops (`OFFLINE_FRAMES`):
+    a long block goes through at file speed, a 16 ms chunk as one live step; the output does not
+    depend on the chunking.
+
+    For batched serving, `push()` / `ready_hops()` / `take_hop()` / `put_output()` / `pull()` split
+    `feed` so that a scheduler can step many streams in one call (`LanePool.step`); `take_hops(n)` /
+    `put_outputs()` do the same for a backlog of n hops of one stream in one call (`LanePool.run`).
     """
 
     def __init__(self, engine: Engine, sample_rate: int = 16000, channels: int = 1, atten_lim_db: float | None = None,
@@ -204,6 +224,7 @@ class StreamingEnhancer:
         self.pool = pool or LanePool(engine, self.channels)
         self.lanes = self.pool.alloc(self.channels)
         self.closed = False
+        self.frames_per_call = OFFLINE_FRAMES
         self._init_buffers()
 
     def _init_buffers(self) -> None:
@@ -297,11 +318,28 @@ class StreamingEnhancer:
         x, self._pending = self._pending[:hop], self._pending[hop:]
         return np.ascontiguousarray(x.T)
 
+    def take_hops(self, n: int) -> np.ndarray:
+        """The next n input hops (n <= `ready_hops()`) as (channels, n, hop), for `LanePool.run`."""
+        hop = self.config.stft.hop
+        if not 0 < n <= self.ready_hops():
+            raise ValueError(f"take_hops({n}): {self.ready_hops()} hop(s) ready")
+        x, self._pending = self._pending[:n * hop], self._pending[n * hop:]
+        return np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
+
     def put_output(self, out: np.ndarray, competition, activity) -> None:
         """One step's result for this stream's lanes: out (channels, hop)."""
         self._ready.append(out.T)
         if self.metadata:
             self.frames.append((competition, activity))
+
+    def put_outputs(self, out: np.ndarray, competition, activity) -> None:
+        """The result of `take_hops(n)` run in one call: out (channels, n, hop), competition
+        (channels, n, n_tim, n_s) or None, activity (channels, n) or None."""
+        self._ready.append(out.transpose(1, 2, 0).reshape(-1, self.channels))
+        if self.metadata:
+            for t in range(out.shape[1]):
+                self.frames.append((None if competition is None else competition[:, t],
+                                    None if activity is None else activity[:, t]))
 
     def pull(self, last: bool = False) -> np.ndarray:
         """Enhanced audio at the stream's rate that is ready, delay removed."""
@@ -331,9 +369,9 @@ class StreamingEnhancer:
 
     def _run_pending(self) -> None:
         g = np.full(self.channels, self.min_gain, np.float32)
-        while self.ready_hops():
-            r = self.pool.step(self.lanes, self.take_hop(), g)
-            self.put_output(r.out, r.competition, r.activity)
+        while n := min(self.ready_hops(), self.frames_per_call):
+            r = self.pool.run(self.lanes, self.take_hops(n), g)
+            self.put_outputs(r.out, r.competition, r.activity)
 
     def _shape(self, y: np.ndarray) -> np.ndarray:
         """(n, 1) -> (n,) for mono streams."""

@@ -4,12 +4,15 @@ The event loop never runs inference. Websocket and REST handlers hold a `Job` an
 commands (`push`, `end`, `close`); each `Worker` thread owns one onnxruntime session and its
 `LanePool`, and repeats rounds:
 
-    apply queued commands -> gather every stream with >= 1 ready hop -> one batched step ->
+    apply queued commands -> gather every live stream with >= 1 ready hop -> one batched step ->
+    each file (REST job or flushing stream) with ready hops: one multi-frame call of its backlog ->
     scatter outputs -> hand finished output to the loop (call_soon_threadsafe)
 
 A stream with nothing pending is simply not in the round, so it delays no one; new audio that
-arrives during a round joins the next one (dynamic batching, no added wait). All pool and
-stream-state operations of a worker happen on its thread.
+arrives during a round joins the next one (dynamic batching, no added wait). Files run up to
+`FILE_FRAMES` hops per call (`LanePool.run`: every weight read once per chunk), or
+`FILE_FRAMES_BESIDE_LIVE` while live streams share the worker, so that a file never holds a live
+hop back for long. All pool and stream-state operations of a worker happen on its thread.
 """
 from __future__ import annotations
 
@@ -25,13 +28,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from enhancer.errors import AudioError
-from enhancer.runtime import Enhancer, LanePool, StreamingEnhancer, min_gain_for
+from enhancer.runtime import OFFLINE_FRAMES, Enhancer, LanePool, StreamingEnhancer, min_gain_for
 from enhancer.signal import check_rate
 
 from .errors import ServiceError
 from .metrics import Metrics
 from .settings import Settings
 
+FILE_FRAMES = OFFLINE_FRAMES  # hops per call of a file's backlog when no live stream shares the worker
+FILE_FRAMES_BESIDE_LIVE = 4  # ... when live streams do: such a call costs about one batched live step
 SWITCH_INTERVAL_S = 0.0005  # GIL hand-over bound for the inference threads (Python's default: 5 ms)
 
 log = logging.getLogger("tim_enhancer.server")
@@ -294,7 +299,7 @@ class Worker(threading.Thread):
         nothing to step). A step waits until every live stream has a hop ready, or until the oldest
         ready hop has waited `max_wait`: big batches cost far less per stream than small ones, and
         a live stream needs only one step per 16 ms. Files and flushing streams never wait when no
-        live stream is ready; otherwise they ride along in the live streams' steps."""
+        live stream is ready; otherwise they run in the live streams' rounds (`_run_file`)."""
         ready_live, ready_other, live = [], False, 0
         for st in self.streams.values():
             is_live = st.job.source == "stream" and not st.flushing
@@ -356,10 +361,46 @@ class Worker(threading.Thread):
             self._drop(st)
 
     def _round(self) -> None:
-        """One batched step over every stream with a ready hop. If the batched call fails, each
+        """One batched step over every live stream with a ready hop, then one multi-frame call per
+        file with ready hops (`_run_file`)."""
+        live, files = [], []
+        for st in self.streams.values():
+            if st.se.ready_hops():
+                (live if st.job.source == "stream" and not st.flushing else files).append(st)
+        self._round_live(live)
+        frames = FILE_FRAMES_BESIDE_LIVE if any(st.job.source == "stream" and not st.flushing
+                                                for st in self.streams.values()) else FILE_FRAMES
+        for st in files:
+            if st.job.id in self.streams:
+                self._run_file(st, frames)
+
+    def _run_file(self, st: _Stream, frames: int) -> None:
+        """Up to `frames` ready hops of one stream in one call (`LanePool.run`); a failure closes
+        that stream only (the pool's state only changes when a call succeeds)."""
+        se = st.se
+        n = min(se.ready_hops(), frames)
+        try:
+            r = self.pool.run(se.lanes, se.take_hops(n), st.gain)
+            self.metrics.batch_size.observe(len(se.lanes))
+            se.put_outputs(r.out, None, None)
+            if st.job.metadata:
+                st.frames.extend((st.steps + t, None if r.competition is None else r.competition[:, t], r.activity[:, t])
+                                 for t in range(n))
+        except Exception as e:  # noqa: BLE001
+            log.exception("inference of %d hop(s) of stream %d failed: closing it", n, st.job.id)
+            self._fail(st.job, e, internal=True)
+            self._drop(st)
+            return
+        st.steps += n
+        st.dirty = True
+        self.metrics.frames.labels(source=st.job.source).inc(n)
+        if se.ready_hops():
+            st.ready_since = time.perf_counter()
+
+    def _round_live(self, ready: list[_Stream]) -> None:
+        """One batched step over the live streams with a ready hop. If the batched call fails, each
         stream is retried alone (the pool's state only changes when a step succeeds), so a fault
         tied to one stream closes that stream only and a transient one closes none."""
-        ready = [st for st in self.streams.values() if st.se.ready_hops()]
         if not ready:
             return
         hops = [st.se.take_hop() for st in ready]  # (channels, hop) each

@@ -10,7 +10,8 @@ Transformer block; with n_s > 1 mechanisms it is a TIM block:
 4. mechanism-wise FFN, h = norm(h + F)
 
 Self-attention is causal and limited to a window of W frames. `forward` runs a whole sequence;
-`step` runs one frame against a key/value ring buffer of W slots written at `pos % W`.
+`step` runs T consecutive frames (T = 1 when live) against a key/value ring buffer of W slots,
+frame p's key/value at slot `p % W`.
 """
 from __future__ import annotations
 
@@ -21,16 +22,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import GroupedLinear, GroupLayerNorm, attend
+from .layers import GroupedLinear, GroupLayerNorm, attend, window_mask
 
 
-def ring_bias(pos: torch.Tensor, window: int) -> torch.Tensor:
-    """(B, 1, 1, W) additive attention bias over the ring slots for frames at `pos` (B,): slot j holds
-    frame pos - W + ((j - pos) mod W); it is in the window unless it is the slot this frame replaces
-    (frame pos - W) or was never written (j >= pos)."""
-    slots = torch.arange(window, device=pos.device)[None, :]  # (1, W)
-    valid = (slots < pos[:, None]) & (slots != (pos % window)[:, None])  # (B, W)
-    return torch.zeros(valid.shape, device=pos.device).masked_fill(~valid, float("-inf"))[:, None, None, :]
+def ring_bias(pos: torch.Tensor, window: int, t: int = 1) -> torch.Tensor:
+    """(B, 1, T, W) additive attention bias over the ring slots for the T frames pos..pos+T-1 of a
+    call (pos: (B,)). Slot j holds frame pos - W + a, a = (j - pos) mod W, if it was ever written
+    (j < pos); frame pos + i may see it if it is less than W frames back: a > i."""
+    slots = torch.arange(window, device=pos.device)[None, None, :]  # (1, 1, W)
+    rows = torch.arange(t, device=pos.device)[None, :, None]  # (1, T, 1)
+    p = pos[:, None, None]  # (B, 1, 1)
+    valid = (slots < p) & (torch.remainder(slots - p, window) > rows)  # (B, T, W)
+    return torch.zeros(valid.shape, device=pos.device).masked_fill(~valid, float("-inf"))[:, None]
+
+
+def chunk_bias(t: int, window: int, device=None) -> torch.Tensor:
+    """(T, T) additive attention bias among the frames of one call: 0 where frame i may attend
+    frame j (i - W < j <= i, as `window_mask`), -inf elsewhere."""
+    keep = window_mask(t, window, device)
+    return torch.zeros(keep.shape, device=device).masked_fill(~keep, float("-inf"))
 
 
 class EncoderBlock(nn.Module):
@@ -107,41 +117,47 @@ class EncoderBlock(nn.Module):
         h = self._after_attention(h, m.reshape(b, t, self.g, self.dm), c)
         return h.reshape(b, t, -1), (None if c is None else c[..., 0])
 
-    # ------------------------------------------------------------------ one frame
-    def _step_qkv(self, h: torch.Tensor):
-        """h (B, d_model) or (B, G, dm) -> q (scaled unless `step_scale` != 1), k, v, each (B, H, 1, dh), heads mechanism-major."""
+    # ------------------------------------------------------------------ T frames against the ring
+    def _step_qkv(self, h: torch.Tensor, t: int):
+        """h (B*T, d_model) or (B*T, G, dm) -> q (scaled unless `step_scale` != 1), k, v, each
+        (B, H, T, dh), heads mechanism-major."""
         g, hd, nh = self.g, self.head_dim, self.n_heads
-        w, b = self.qkv.weight * self.q_scale, self.qkv.bias * self.q_scale  # constants of the graph
+        w, bias = self.qkv.weight * self.q_scale, self.qkv.bias * self.q_scale  # constants of the graph
         if g == 1:
-            y = F.linear(h, w[0].t(), b[0])  # (B, 3 * hd): one Gemm
-            return y.reshape(-1, 3 * nh, 1, hd).split(nh, dim=1)
-        y = h.transpose(0, 1) @ w + b[:, None, :]  # (G, B, 3 * dm)
-        y = y.reshape(g, -1, 3, self.heads_per_mech, hd).permute(1, 2, 0, 3, 4)  # (B, 3, G, Hg, dh)
-        return y.reshape(-1, 3 * nh, 1, hd).split(nh, dim=1)
+            y = F.linear(h, w[0].t(), bias[0])  # (B*T, 3 * hd): one Gemm
+            y = y.reshape(-1, t, 3 * nh, hd)  # (B, T, 3H, dh)
+        else:
+            y = h.transpose(0, 1) @ w + bias[:, None, :]  # (G, B*T, 3 * dm)
+            y = y.reshape(g, -1, t, 3, self.heads_per_mech, hd).permute(1, 2, 3, 0, 4, 5)  # (B, T, 3, G, Hg, dh)
+            y = y.reshape(-1, t, 3 * nh, hd)
+        return y.transpose(1, 2).split(nh, dim=1)  # (B, H, T, dh) each
 
     def step(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-             bias: torch.Tensor | None = None):
-        """One frame against the key/value ring buffer of this layer.
+             bias: torch.Tensor | None = None, causal: torch.Tensor | None = None):
+        """T consecutive frames of B streams against the key/value ring buffer of this layer.
 
-        x: (B, d_model); k/v_cache: (B, H, W, dh), slot `p % W` holding frame p's key/value for
-        the W most recent frames p < pos; pos: (B,) int64 index of this frame in its stream.
-        The caches are only read: the frame's own key/value are returned as rows (B, H, 1, dh) for
-        the caller to write into slot `pos % W` in place (a graph output would be a full copy).
-        Returns y (B, d_model), k_row, v_row, competition (B, G) or None.
-        `bias` (B, 1, 1, W): 0 for ring slots in the window, -inf for the others (`ring_bias`);
-        layers of one step share it. Written with constant shapes (batch as -1) and few operators:
-        at batch 1 the step's time is mostly per-operator overhead.
+        x: (B*T, d_model), stream-major; k/v_cache: (B, H, W, dh), slot `p % W` holding frame p's
+        key/value for the W most recent frames p < pos; pos: (B,) int64 index of the first frame.
+        The caches are only read: the frames' own keys/values are returned as rows (B, H, T, dh) for
+        the caller to write into slots `(pos + t) % W` in place (a graph output would be a full copy).
+        Returns y (B*T, d_model), k_rows, v_rows, competition (B*T, G) or None.
+        `bias` (B, 1, T, W): `ring_bias`; `causal` (T, T): `chunk_bias`; layers of one call share
+        them. Written with few operators: at T = 1 and batch 1 the time is mostly per-operator overhead.
         """
         g, w = self.g, self.window
-        h = x.reshape(-1, g, self.dm) if g > 1 else x  # (B, G, dm), or (B, d_model) for an ordinary block
-        c = None if self.competition is None else torch.softmax(self.competition(h), dim=1)  # (B, G, 1)
-        q, k, v = self._step_qkv(h)  # (B, H, 1, dh)
+        if bias is None or causal is None:
+            t = x.shape[0] // pos.shape[0]
+            bias, causal = ring_bias(pos, w, t), chunk_bias(t, w, x.device)
+        t = causal.shape[0]
+        h = x.reshape(-1, g, self.dm) if g > 1 else x  # (B*T, G, dm), or (B*T, d_model) for an ordinary block
+        c = None if self.competition is None else torch.softmax(self.competition(h), dim=1)  # (B*T, G, 1)
+        q, k, v = self._step_qkv(h, t)  # (B, H, T, dh)
         if self.step_scale != 1.0:
             q = q * self.step_scale
-        bias = ring_bias(pos, w) if bias is None else bias  # (B, 1, 1, W)
-        s_cache = q @ k_cache.transpose(-1, -2) + bias  # (B, H, 1, W)
-        s_self = (q * k).sum(-1, keepdim=True)  # (B, H, 1, 1)
-        p_cache, p_self = torch.softmax(torch.cat([s_cache, s_self], dim=-1), dim=-1).split([w, 1], dim=-1)
-        m = p_cache @ v_cache + p_self * v  # (B, H, 1, dh)
-        h = self._after_attention(h, m.reshape((-1, self.dm) if g == 1 else (-1, g, self.dm)), c)  # like h
+        s_ring = q @ k_cache.transpose(-1, -2) + bias  # (B, H, T, W)
+        s_chunk = q @ k.transpose(-1, -2) + causal  # (B, H, T, T)
+        p = torch.softmax(torch.cat([s_ring, s_chunk], dim=-1), dim=-1)  # (B, H, T, W+T)
+        m = p[..., :w] @ v_cache + p[..., w:] @ v  # (B, H, T, dh)
+        m = m.transpose(1, 2).reshape((-1, self.dm) if g == 1 else (-1, g, self.dm))  # (B*T, [G,] dm)
+        h = self._after_attention(h, m, c)  # like h
         return h.reshape(-1, g * self.dm) if g > 1 else h, k, v, (None if c is None else c.reshape(-1, g))

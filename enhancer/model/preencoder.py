@@ -25,11 +25,15 @@ class ConvLayer(nn.Module):
         return F.leaky_relu(self.norm(y), self.slope)
 
     def step(self, x: torch.Tensor, tail: torch.Tensor):
-        """x: (B, C_in), tail: (B, K-1, C_in) -> y (B, C_out), new tail."""
-        win = torch.cat([tail, x[:, None, :]], dim=1)  # (B, K, C_in)
+        """x: (B, T, C_in), tail: (B, K-1, C_in) -> y (B*T, C_out), new tail (the last K-1 inputs).
+
+        The K shifted views of [tail | x] side by side make one Gemm of B*T rows."""
+        k = self.kernel
+        win = torch.cat([tail, x], dim=1)  # (B, K-1+T, C_in)
+        cols = torch.cat([win[:, i:i - (k - 1) or None] for i in range(k)], dim=-1) if k > 1 else win  # (B, T, K*C_in)
         w = self.conv.weight.permute(0, 2, 1).reshape(self.conv.out_channels, -1)  # (C_out, K*C_in)
-        y = F.linear(win.reshape(-1, self.kernel * self.conv.in_channels), w, self.conv.bias)  # (B, C_out)
-        return F.leaky_relu(self.norm(y), self.slope), win[:, 1:]
+        y = F.linear(cols.reshape(-1, k * self.conv.in_channels), w, self.conv.bias)  # (B*T, C_out)
+        return F.leaky_relu(self.norm(y), self.slope), (win[:, -(k - 1):] if k > 1 else tail)
 
 
 class PreEncoder(nn.Module):
@@ -44,8 +48,11 @@ class PreEncoder(nn.Module):
         return x
 
     def step(self, x: torch.Tensor, tails: list[torch.Tensor]):
+        """x: (B, T, C_in), one tail per layer -> (B*T, C_out), new tails."""
         new = []
-        for layer, tail in zip(self.layers, tails):
+        for i, (layer, tail) in enumerate(zip(self.layers, tails)):
+            if i:
+                x = x.reshape(tail.shape[0], -1, x.shape[-1])  # (B, T, C)
             x, t = layer.step(x, tail)
             new.append(t)
         return x, new

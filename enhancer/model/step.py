@@ -1,11 +1,15 @@
-"""The streaming step graph: one 16 ms hop of audio in, one hop of enhanced audio out.
+"""The streaming step graph: T consecutive 16 ms hops of audio in, T hops of enhanced audio out.
 
-    step(hop, min_gain, pos, *state, *rings) -> (out, [competition], activity, kv_rows, *state)
+    step(hops, min_gain, pos, *state, *rings) -> (out, [competition], activity, kv_rows, *state)
 
-Inputs (B = streams sharing the call; dynamic):
-    hop        (B, 256) float32   the newest 16 ms of 16 kHz audio
-    min_gain   (B,)     float32   gain floor (attenuation limit), 0 = none
-    pos        (B,)     int64     index of this step in its stream (0 for a fresh stream)
+T (frames per call) is a dynamic axis of the one graph: T = 1 is the live step (one hop per stream
+per call, streams batched), T > 1 runs a backlog or a file in chunks (every weight read once per
+chunk, every matmul with B * T rows). Any chunking of a stream gives the same output.
+
+Inputs (B = streams sharing the call, T = frames per call; both dynamic):
+    hops       (B, T, 256) float32   the next T hops of 16 kHz audio of each stream
+    min_gain   (B,)        float32   gain floor (attenuation limit), 0 = none
+    pos        (B,)        int64     index in its stream of the first frame of the call (0 = fresh)
 State caches (returned updated, fixed shape, zero for a fresh stream), in this order:
     prev_hop   (B, 256)               previous hop (the first half of the analysis frame)
     spec_delay (B, L+1, 2F)           [re | im] of the last L+1 frames (the gain applies to the oldest)
@@ -13,14 +17,18 @@ State caches (returned updated, fixed shape, zero for a fresh stream), in this o
     ola        (B, 256)               overlap-add tail of the previous output frame
 Key/value ring buffers (read by the graph, written by the caller in place):
     k0..k7, v0..v7  (B, H, W, dh)     slot `p % W` holds frame p's key/value
-Outputs: out (B, 256), the stream delayed by (L + 1) * 256 samples; competition (B, n_tim, n_s)
-(models with competition only); activity (B,) mean gain over 300 Hz..4 kHz; kv_rows
-(B, H, 2 * n_layers, dh), this frame's keys (layers 0..N-1) then values, which the caller writes
-to slot `pos % W` of each ring (`write_rings`); then the new state caches.
+Outputs: out (B, T, 256), the stream delayed by (L + 1) * 256 samples; competition
+(B, T, n_tim, n_s) (models with competition only); activity (B, T) mean gain over 300 Hz..4 kHz;
+kv_rows (B, H, 2N * T, dh) with N = n_layers, i.e. (B, H, 2N, T, dh) flattened: the T frames' keys
+(layers 0..N-1) then values, which the caller writes to slots `(pos + t) % W` of the rings
+(`enhancer.layout.write_rings`); then the new state caches.
 
-A stateless graph returns fresh output buffers, so returning whole rings would copy every ring
-every step (2.5 MB per stream for the default model); writing one row in place costs nothing.
-The STFT and iSTFT are matmuls with fixed DFT bases, so the graph is self-contained.
+Inside a call, frame t attends causally to the chunk's frames t - W < t' <= t and to the ring
+slots that hold frames pos + t - W < p < pos (`ring_bias`), so the window is the same as the
+whole-sequence model's whatever T is. A stateless graph returns fresh output buffers, so returning
+whole rings would copy every ring every call (2.5 MB per stream for the default model); writing T
+rows in place costs next to nothing. The STFT and iSTFT are matmuls with fixed DFT bases, so the
+graph is self-contained.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ import torch
 from torch import nn
 
 from ..layout import has_competition, state_specs
-from .blocks import ring_bias
+from .blocks import chunk_bias, ring_bias
 from .features import dft_bases
 from .net import TIMNet
 
@@ -49,34 +57,39 @@ class StreamingStep(nn.Module):
         self.with_comp = has_competition(cfg)
         self.f = f
 
-    def forward(self, hop, min_gain, pos, *caches):
+    def forward(self, hops, min_gain, pos, *caches):
         cfg, net, f = self.config, self.net, self.f
         n_state = len(state_specs(cfg))
         prev_hop, spec_delay, *tails, ola = caches[:n_state]
         rings = caches[n_state:]
         ks, vs = rings[: cfg.n_layers], rings[cfg.n_layers:]
+        la, hop_n = cfg.lookahead, cfg.stft.hop
+        t = hops.shape[1]
 
-        spec = torch.cat([prev_hop, hop], dim=-1) @ self.fwd_basis  # (B, 2F) = [re | im]
-        re, im = spec[:, :f], spec[:, f:]
-        logmag = torch.log(torch.sqrt(re * re + im * im) + cfg.log_eps)  # (B, F)
-        x = net.normalize(logmag)  # (B, F)
-        x, tails = net.pre.step(x, tails)
-        x = net.proj(x)  # (B, d_model)
+        x = torch.cat([prev_hop[:, None], hops], dim=1)  # (B, T+1, hop)
+        spec = torch.cat([x[:, :-1], x[:, 1:]], dim=-1) @ self.fwd_basis  # (B, T, 2F) = [re | im]
+        re, im = spec[..., :f], spec[..., f:]
+        logmag = torch.log(torch.sqrt(re * re + im * im) + cfg.log_eps)  # (B, T, F)
+        x, tails = net.pre.step(net.normalize(logmag), tails)  # (B*T, C)
+        x = net.proj(x)  # (B*T, d_model)
         k_rows, v_rows, comps = [], [], []
-        bias = ring_bias(pos, cfg.window)  # (B, 1, 1, W), shared by the layers
+        bias = ring_bias(pos, cfg.window, t)  # (B, 1, T, W), shared by the layers
+        causal = chunk_bias(t, cfg.window, hops.device)  # (T, T)
         for block, k, v in zip(net.blocks, ks, vs):
-            x, k_row, v_row, c = block.step(x, k, v, pos, bias)
+            x, k_row, v_row, c = block.step(x, k, v, pos, bias, causal)
             k_rows.append(k_row)
             v_rows.append(v_row)
             if c is not None:
                 comps.append(c)
-        gain = torch.sigmoid(net.head(x))  # (B, F)
-        gain = torch.maximum(gain, min_gain[:, None])
-        spec_delay = torch.cat([spec_delay[:, 1:], spec[:, None]], dim=1)  # (B, L+1, 2F)
-        frame = (spec_delay[:, 0] * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, n_fft)
-        hop_n = cfg.stft.hop
-        out = ola + frame[:, :hop_n]
-        activity = gain[:, self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B,)
-        kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N, dh): keys of layers 0..N-1, then values
-        outs = [out] + ([torch.stack(comps, dim=1)] if self.with_comp else []) + [activity, kv_rows]
-        return tuple(outs + [hop, spec_delay, *tails, frame[:, hop_n:]])
+        gain = torch.sigmoid(net.head(x)).reshape(hops.shape[0], t, f)  # (B, T, F)
+        gain = torch.maximum(gain, min_gain[:, None, None])
+        spec_all = torch.cat([spec_delay, spec], dim=1)  # (B, L+1+T, 2F): frame t's gain applies to row t+1
+        frame = (spec_all[:, 1:spec_all.shape[1] - la] * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
+        out = torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1) + frame[..., :hop_n]  # (B, T, hop)
+        activity = gain[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
+        kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N*T, dh): keys of layers 0..N-1, then values
+        head = [out]
+        if self.with_comp:
+            head.append(torch.stack(comps, dim=1).reshape(hops.shape[0], t, len(comps), -1))  # (B, T, n_tim, n_s)
+        head += [activity, kv_rows]
+        return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:]])

@@ -31,8 +31,9 @@ def stream_through(stream, x, chunks):
     return np.concatenate(parts, axis=0)
 
 
-def torch_streaming(model, x: np.ndarray) -> np.ndarray:
-    """The torch step module run hop by hop (the graph that is exported)."""
+def torch_streaming(model, x: np.ndarray, chunks=None) -> np.ndarray:
+    """The torch step module (the graph that is exported) run hop by hop, or in calls of `chunks`
+    frames (cycled)."""
     cfg = model.config
     step = StreamingStep(model).eval()
     caches = [torch.from_numpy(c) for c in init_caches(cfg, 1)]
@@ -42,14 +43,16 @@ def torch_streaming(model, x: np.ndarray) -> np.ndarray:
     steps = -(-(cfg.delay_samples + len(x)) // hop)
     xp = np.zeros(steps * hop, np.float32)
     xp[: len(x)] = x
-    pos, outs = torch.zeros(1, dtype=torch.long), []
+    hops = xp.reshape(1, steps, hop)
+    pos, outs, s, i = torch.zeros(1, dtype=torch.long), [], 0, 0
     with torch.no_grad():
-        for s in range(steps):
-            o = step(torch.from_numpy(xp[None, s * hop:(s + 1) * hop]), torch.zeros(1), pos, *caches)
-            outs.append(o[0][0].numpy())
+        while s < steps:
+            t = min(chunks[i % len(chunks)] if chunks else 1, steps - s)
+            o = step(torch.from_numpy(hops[:, s:s + t]), torch.zeros(1), pos, *caches)
+            outs.append(o[0][0].numpy().reshape(-1))
             write_rings(caches[n_state:], o[n_head - 1], pos, cfg.window)
             caches[:n_state] = list(o[n_head:])
-            pos = pos + 1
+            pos, s, i = pos + t, s + t, i + 1
     return np.concatenate(outs)[cfg.delay_samples: cfg.delay_samples + len(x)]
 
 
