@@ -83,7 +83,8 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def service_error(request: Request, e: ServiceError, headers: dict | None = None):
         metrics.errors.labels(kind=e.kind).inc()
         if e.kind in ("over_capacity", "shutting_down"):
-            headers = (headers or {}) | {"Retry-After": "1"}
+            retry = e.retry_after_s if e.retry_after_s is not None else 1
+            headers = (headers or {}) | {"Retry-After": str(max(1, int(-(-retry // 1))))}
         return JSONResponse(e.rest_body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
