@@ -8,7 +8,9 @@ cheaper than it is). A worker's capacity is the largest batch whose step p99 sta
 step budget, `hop x (1 - capacity_margin)`: the margin is left for the event loop (receiving,
 decoding, resampling and sending every stream's audio), for the batch wait and for catching up
 after a stall. Batch sizes between two measured ones are interpolated; p99 is made monotonic in
-the batch size first (a noisy small batch never raises the capacity).
+the batch size first (a noisy small batch never raises the capacity). A batch size whose p99 is
+over the budget while its median is under half of it (one preemption among the samples) is timed
+once more, and the lower p99 of the two runs counts.
 
 Calibration takes about `len(BATCHES) x REPS` hops (a few seconds) and stops early at the first
 batch size over the budget or at `deadline_s`. `Settings.capacity` replaces it with a fixed
@@ -26,7 +28,7 @@ import numpy as np
 log = logging.getLogger("tim_enhancer.server")
 
 BATCHES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-REPS = 24  # paced steps timed per batch size (p99 of 24 is close to their maximum: conservative)
+REPS = 32  # paced steps timed per batch size (p99 of 32 is close to their maximum: conservative)
 WARMUP = 3  # steps per batch size before timing (onnxruntime plans each new shape once)
 
 
@@ -113,14 +115,17 @@ def calibrate_pool(pool, hop_s: float, budget_s: float, max_lanes: int, deadline
         if points and time.perf_counter() > deadline:
             break
         d = time_steps(pool, b, reps, hop_s, rng)
-        points[b] = 1000 * float(np.percentile(d, 99))
-        if points[b] > 1000 * budget_s:
+        p99, p50 = np.percentile(d, [99, 50])
+        if p99 > budget_s and p50 < budget_s / 2 and time.perf_counter() < deadline:
+            p99 = min(p99, np.percentile(time_steps(pool, b, reps, hop_s, rng), 99))  # one spike: time again
+        points[b] = 1000 * float(p99)
+        if p99 > budget_s:
             break
     # all within the budget (sizes or time ran out): the largest size measured, never more
     return WorkerCapacity(min(lanes_within(points, 1000 * budget_s), max_lanes), points)
 
 
-def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: float = 6.0,
+def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: float = 5.0,
               reps: int = REPS) -> Capacity:
     """Time every pool's step at once (one thread each, as the workers run) and derive capacity."""
     budget_s = hop_s * (1 - margin)
