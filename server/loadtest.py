@@ -305,7 +305,7 @@ def late_attribution(clients, budget_ms: float, observer: MachineStallObserver, 
     idle observer process); of the others, those that arrived during or just after a stall of the
     load generator itself (it shares the two cores with the server, so it reads a message late
     although the server sent it in time); and the rest: the ones the service is answerable for."""
-    clients = [c for c in clients if c.refused is None]
+    clients = [c for c in clients if getattr(c, "refused", None) is None]  # refused streams sent nothing
     late_at = [a for c in clients for a, lat in zip(c.arrivals, c.latencies) if lat * 1000 > budget_ms]
     machine = [observer.explains(a) for a in late_at]
     client = [not m and probe is not None and stall_explains(probe.events, a) for a, m in zip(late_at, machine)]
