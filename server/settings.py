@@ -28,8 +28,8 @@ class Settings:
     # admission and lateness (server/README.md, "Capacity, admission and lateness")
     capacity: int | None = None  # live streams admitted; None: measured at start-up (server.capacity)
     capacity_margin: float = 0.4  # share of the 16 ms hop the step p99 must leave free when calibrating
-    lateness_budget_ms: float = 48.0  # a hop stepped later than this after it arrived: the client is told
-    max_lateness_ms: float = 200.0  # a live stream later than this skips its backlog (a marked gap)
+    lateness_budget_ms: float = 40.0  # a hop stepped later than this after it arrived: the client is told
+    max_lateness_ms: float = 60.0  # a live stream later than this skips its backlog (a marked gap)
     api_key: str | None = None  # required on /v1/* when set (REST header, websocket header or query)
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; () = no CORS headers
     # REST limits
