@@ -195,13 +195,16 @@ class Scheduler:
         return cap is not None and (self.streams >= self.settings.max_streams or self._live_lanes() >= cap.streams
                                     or not any(w.live_room > 0 for w in self.workers))
 
-    def over_capacity(self, source: str) -> ServiceError:
+    def over_capacity(self, source: str, channels: int = 1) -> ServiceError:
         cap = self.capacity.streams if self.capacity else self.settings.max_streams
         self.metrics.refused.labels(source=source).inc()
         if source == "stream":
+            free = max(max((w.live_room for w in self.workers), default=0), 0)
+            room = ("all are in use" if free == 0 or self.streams >= self.settings.max_streams else
+                    f"a worker has room for {free} channel(s), this stream has {channels}")
             return ServiceError(
-                "over_capacity", f"over capacity: this server holds {cap} live stream(s) in real time and all are "
-                f"in use; retry in {STREAM_RETRY_S} s or use another instance",
+                "over_capacity", f"over capacity: this server holds {cap} live stream(s) in real time (mono; each "
+                f"channel counts) and {room}; retry in {STREAM_RETRY_S} s or use another instance",
                 {"capacity": cap, "active_streams": self.streams}, STREAM_RETRY_S)
         return ServiceError("over_capacity", f"over capacity: the live streams use all of this server's inference "
                             f"capacity ({cap} streams); retry in {REST_RETRY_S} s",
@@ -251,10 +254,10 @@ class Scheduler:
         if source == "stream":
             # admitted live lanes stay within the measured capacity, in total and on the chosen worker
             if self.streams >= s.max_streams or self._live_lanes() + channels > self.capacity.streams:
-                raise self.over_capacity(source)
+                raise self.over_capacity(source, channels)
             worker = max(self.workers, key=lambda w: (w.live_room, w.lanes_free))
             if worker.live_room < channels:
-                raise self.over_capacity(source)
+                raise self.over_capacity(source, channels)
         else:
             # files use what the live streams leave: refused when live streams hold every worker's capacity
             worker = max(self.workers, key=lambda w: (w.live_room, w.lanes_free))
