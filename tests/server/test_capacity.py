@@ -87,6 +87,21 @@ def test_stream_beyond_capacity_is_refused_with_1013_and_the_capacity(live_cap):
     expect_close(live_cap.ws_url, [json.dumps({"type": "end"})], 1000)  # room again once they left
 
 
+def test_stereo_stream_counts_two_of_the_capacity(live_cap):
+    with connect(live_cap.ws_url) as a:
+        a.send(json.dumps({"sample_rate": 16000}))
+        assert json.loads(a.recv(timeout=10))["type"] == "ready"
+        with connect(live_cap.ws_url) as b:  # one place left: a stereo stream does not fit
+            b.send(json.dumps({"sample_rate": 16000, "channels": 2}))
+            err = json.loads(b.recv(timeout=10))
+            assert err["kind"] == "over_capacity" and err["code"] == 1013 and err["capacity"] == 2, err
+            assert "room for 1 channel" in err["message"], err
+        with connect(live_cap.ws_url) as c:  # a mono one does
+            c.send(json.dumps({"sample_rate": 16000}))
+            assert json.loads(c.recv(timeout=10))["type"] == "ready"
+    live_cap.wait_idle()
+
+
 def test_open_refuses_at_the_start_message_when_capacity_is_taken_meanwhile(live_cap):
     """The handshake passed (room left), then another stream took the last place: the start
     message gets 1013."""
