@@ -47,6 +47,8 @@ class Metrics:
                                registry=r)
         self.lateness = Histogram("tim_stream_lateness_seconds", "Per live hop: from its audio's arrival to the end "
                                   "of its step", buckets=LATENESS_BUCKETS, registry=r)
+        self.worst_lateness = Gauge("tim_stream_lateness_worst_seconds", "Lateness of the latest live hop of the "
+                                    "stream furthest behind in each worker's last step", ["worker"], registry=r)
         self.late_hops = Counter("tim_late_hops", "Live hops stepped later than lateness_budget_ms", registry=r)
         self.behind = Counter("tim_streams_behind", "Times a live stream fell behind lateness_budget_ms (the client "
                               "got a 'late' message)", registry=r)

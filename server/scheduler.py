@@ -369,6 +369,7 @@ class Worker(threading.Thread):
         self._out: list[tuple[Job, Delivery]] = []
         self._acks_due = False  # a push left a stream with output to hand over but no hop to step
         self._lanes_gauge = metrics.lanes_in_use.labels(worker=str(index))
+        self._worst_gauge = metrics.worst_lateness.labels(worker=str(index))
 
     @property
     def live_room(self) -> int:
@@ -600,9 +601,9 @@ class Worker(threading.Thread):
         self.metrics.gaps.inc()
         log.warning("stream %d was %.0f ms late: skipped %d hop(s)", st.job.id, 1000 * lateness, k)
 
-    def _lateness(self, st: _Stream, done: float) -> None:
-        """Record how late a live hop was stepped; tell the client when it falls behind the budget
-        and when it is on time again."""
+    def _lateness(self, st: _Stream, done: float) -> float:
+        """Record how late a live hop was stepped (returned, s); tell the client when it falls
+        behind the budget and when it is on time again."""
         late = max(done - st.due, 0.0)
         self.metrics.lateness.observe(late)
         if late > self.late_s:
@@ -616,6 +617,7 @@ class Worker(threading.Thread):
         elif st.behind and late <= self.late_s / 2:
             st.behind = False
             st.events.append({"type": "on_time", "lateness_ms": round(1000 * late, 1)})
+        return late
 
     def _scatter(self, group: list[_Stream], r) -> None:
         """Hand each stream its slice of a step's result (a stream whose bookkeeping fails is
@@ -623,6 +625,7 @@ class Worker(threading.Thread):
         o = 0
         counts = collections.Counter()
         done = time.perf_counter()
+        worst = None
         for st in group:
             c = st.se.channels
             try:
@@ -639,8 +642,11 @@ class Worker(threading.Thread):
                 st.dirty = True
                 counts[st.job.source] += 1
                 if st.stepping_live:
-                    self._lateness(st, done)
+                    late = self._lateness(st, done)
+                    worst = late if worst is None else max(worst, late)
             o += c
+        if worst is not None:
+            self._worst_gauge.set(worst)
         for source, n in counts.items():
             self.metrics.frames.labels(source=source).inc(n)
         now = time.perf_counter()

@@ -53,7 +53,7 @@ def test_capacity_and_live_count_in_readyz_and_metrics(live_cap):
     assert metric(live_cap, "tim_capacity_calibrated") == 0
     assert metric(live_cap, 'tim_capacity_worker_streams{worker="0"}') == 2
     text = httpx.get(live_cap.base + "/metrics", timeout=10).text
-    for name in ("tim_stream_lateness_seconds_bucket", "tim_late_hops_total", "tim_streams_behind_total",
+    for name in ("tim_stream_lateness_seconds_bucket", "tim_stream_lateness_worst_seconds", "tim_late_hops_total", "tim_streams_behind_total",
                  "tim_skipped_hops_total", "tim_gaps_total", 'tim_refused_total{source="stream"}'):
         assert name in text, name
 
