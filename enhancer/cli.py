@@ -124,7 +124,7 @@ def cmd_serve(a) -> int:
     import server
 
     server.run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers,
-               max_streams=a.max_streams, api_key=a.api_key)
+               max_streams=a.max_streams, api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin)
     return 0
 
 
@@ -147,7 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None)
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     s.add_argument("--workers", type=int, default=1, help="inference workers (one onnxruntime session each)")
-    s.add_argument("--max-streams", type=int, default=64)
+    s.add_argument("--max-streams", type=int, default=64, help="upper bound of live streams (the measured capacity "
+                   "admits at most this many)")
+    s.add_argument("--capacity", type=int, default=None, help="admit this many live streams instead of measuring "
+                   "the capacity at start-up")
+    s.add_argument("--capacity-margin", type=float, default=None, help="share of the 16 ms hop the step's p99 must "
+                   "leave free when measuring the capacity (default 0.4)")
     s.add_argument("--api-key", default=None, help="require this key (default: $TIM_ENHANCER_API_KEY if set)")
     s.set_defaults(fn=cmd_serve)
 

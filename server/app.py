@@ -45,8 +45,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         if not scheduler.workers:  # `server.run` starts it before uvicorn, to report load errors plainly
             await run_in_threadpool(scheduler.start)  # loading sessions takes a moment: not on the loop
-        log.info("model %s on %s, %d worker(s)", scheduler.enhancer.config.name, scheduler.enhancer.provider,
-                 len(scheduler.workers))
+        log.info("model %s on %s, %d worker(s), capacity %d live stream(s) (%s)", scheduler.enhancer.config.name,
+                 scheduler.enhancer.provider, len(scheduler.workers), scheduler.capacity.streams,
+                 "measured" if scheduler.capacity.calibrated else "fixed")
         lag, gc_timer = LoopLagMonitor(metrics.loop_lag), GcTimer(metrics.gc_pause)
         lag.start()
         gc_timer.install()
@@ -83,7 +84,8 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def service_error(request: Request, e: ServiceError, headers: dict | None = None):
         metrics.errors.labels(kind=e.kind).inc()
         if e.kind in ("over_capacity", "shutting_down"):
-            headers = (headers or {}) | {"Retry-After": "1"}
+            retry = e.retry_after_s if e.retry_after_s is not None else 1
+            headers = (headers or {}) | {"Retry-After": str(max(1, int(-(-retry // 1))))}
         return JSONResponse(e.rest_body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -127,6 +129,7 @@ def _add_operations(app: FastAPI, metrics: Metrics) -> None:
             "parameters": enh.engine.parameters, "workers": len(scheduler.workers),
             "sample_rate": cfg.stft.sample_rate, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "latency_ms": cfg.algorithmic_latency_ms, "active_streams": scheduler.streams,
+            "capacity": scheduler.public_capacity(),
             "limits": request.app.state.settings.public(),
         }
 

@@ -30,11 +30,15 @@ KINDS: dict[str, tuple[int, int]] = {
 class ServiceError(Exception):
     """An error with a client-facing message; `kind` selects status and close code."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, details: dict | None = None, retry_after_s: float | None = None):
+        """`details`: extra JSON fields for the client (e.g. the capacity); `retry_after_s`: when to
+        retry (REST: the Retry-After header; websocket: the `retry_after_s` field)."""
         if kind not in KINDS:
             raise ValueError(f"unknown error kind {kind!r}")
         super().__init__(message)
         self.kind, self.message = kind, message
+        self.details = dict(details or {})
+        self.retry_after_s = retry_after_s
 
     @property
     def status(self) -> int:
@@ -44,8 +48,11 @@ class ServiceError(Exception):
     def close_code(self) -> int:
         return KINDS[self.kind][1]
 
+    def _extra(self) -> dict:
+        return self.details | ({} if self.retry_after_s is None else {"retry_after_s": self.retry_after_s})
+
     def rest_body(self) -> dict:
-        return {"error": {"kind": self.kind, "message": self.message}}
+        return {"error": {"kind": self.kind, "message": self.message} | self._extra()}
 
     def ws_message(self) -> dict:
-        return {"type": "error", "kind": self.kind, "message": self.message, "code": self.close_code}
+        return {"type": "error", "kind": self.kind, "message": self.message, "code": self.close_code} | self._extra()

@@ -36,7 +36,7 @@ INTERNALS = ("Traceback", 'File "', ".py\"", "site-packages", " object at 0x")
 # also come from the websocket protocol layer itself)
 CLIENT_ERROR_CODES = {1000, 1002, 1003, 1007, 1008, 1009}
 LIMITS = dict(max_upload_bytes=2_000_000, max_duration_s=20.0, max_message_bytes=100_000, idle_timeout_s=3.0,
-              max_streams=64, max_rest_jobs=8, rest_chunk_s=0.5)
+              max_streams=64, capacity=64, max_rest_jobs=8, rest_chunk_s=0.5)  # fixed: no calibration
 
 
 class Violation(AssertionError):

@@ -2,6 +2,7 @@
 
     python -m server.loadtest --streams 32 --seconds 30            # starts a local server
     python -m server.loadtest --streams 32 --url ws://127.0.0.1:8000/v1/stream --server-pid PID
+    python -m server.loadtest --overload 2 --seconds 60                # 2x the measured capacity
 
 Each client sends `--chunk-ms` of audio every `--chunk-ms` (start times spread over one chunk
 period, as independent clients are) and reads the enhanced audio back. Output is sample-aligned
@@ -10,6 +11,12 @@ message the latency of its first (oldest) sample is `arrival time - time the chu
 sample was sent`. A message is late when that latency exceeds the budget: by default
 algorithmic latency + one chunk + 64 ms for processing, queueing and the resamplers.
 Reports late messages, latency p50/p99/max, server CPU (% of one core) and peak memory.
+
+Overload mode (`--overload FACTOR`): the server measures its capacity at start-up (a server
+started here calibrates; one at --url reports it in /readyz), and FACTOR x capacity clients
+connect at once. Reported: admitted, refused (close 1013 with the JSON error naming the capacity),
+late messages of the admitted streams (apart from machine and load generator stalls), latency,
+the server's late notices and skipped backlogs, and whether /healthz and /readyz still answer.
 
 With no --model and no shipped models/tim.onnx, a random-weight `tim` preset (default window) is
 exported once to artifacts/loadtest/ (needs torch in this environment; the server stays torch-free):
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -77,11 +85,17 @@ def load_audio(path: str | None, rate: int | None) -> tuple[np.ndarray, int]:
     return np.clip(np.round(x * 32768), -32768, 32767).astype("<i2"), sr
 
 
-def start_server(model: Path, streams: int, workers: int, threads: int):
-    """A server process on a free loopback port: (launch.ServerProcess, websocket URL)."""
+def start_server(model: Path, streams: int, workers: int, threads: int, calibrate: bool = False):
+    """A server process on a free loopback port: (launch.ServerProcess, websocket URL). It admits
+    `streams` (a fixed capacity: the benchmark measures what the machine does with that many), or
+    with `calibrate` what it measures itself (up to the default max_streams)."""
     from .launch import start
 
-    srv = start(model, device="cpu", workers=workers, max_streams=max(streams, 1), threads=threads)
+    if calibrate:
+        srv = start(model, device="cpu", workers=workers, threads=threads)
+    else:
+        n = max(streams, 1)
+        srv = start(model, device="cpu", workers=workers, max_streams=n, capacity=n, threads=threads)
     return srv, srv.ws_url
 
 
@@ -128,6 +142,10 @@ class Client:
         self.samples_out = 0
         self.error: str | None = None
         self.delay_samples = 0
+        self.refused: dict | None = None  # the error message of a refusal over capacity
+        self.close_code: int | None = None
+        self.events: dict[str, int] = {"late": 0, "on_time": 0, "gap": 0}  # server notices received
+        self.gap_samples = 0
 
     def chunk_at(self, k: int) -> bytes:
         n = len(self.audio)
@@ -138,10 +156,27 @@ class Client:
     async def run(self, url: str, t0: float, seconds: float, start_delay: float) -> None:
         import websockets
 
+        from websockets.exceptions import ConnectionClosed
+
         try:
             async with websockets.connect(url, max_size=None, ping_interval=None) as ws:
-                await ws.send(json.dumps({"sample_rate": self.rate, "encoding": "pcm_s16le", "channels": 1}))
-                ready = json.loads(await ws.recv())
+                try:
+                    await ws.send(json.dumps({"sample_rate": self.rate, "encoding": "pcm_s16le", "channels": 1}))
+                except ConnectionClosed:  # refused at the handshake before the start message went out
+                    pass
+                try:
+                    ready = json.loads(await ws.recv())
+                except ConnectionClosed as e:
+                    self.close_code = e.rcvd.code if e.rcvd else None
+                    self.error = f"closed before the ready message ({self.close_code})"
+                    return
+                if ready.get("type") == "error" and ready.get("kind") == "over_capacity":
+                    self.refused = ready
+                    try:
+                        await ws.recv()
+                    except ConnectionClosed as e:
+                        self.close_code = e.rcvd.code if e.rcvd else None
+                    return
                 if ready.get("type") != "ready":
                     self.error = f"no ready message: {ready}"
                     return
@@ -174,6 +209,9 @@ class Client:
                 msg = json.loads(message)
                 if msg.get("type") == "error":
                     self.error = msg["message"]
+                elif msg.get("type") in self.events:
+                    self.events[msg["type"]] += 1
+                    self.gap_samples += msg.get("samples", 0)
                 continue
             first = self.samples_out  # oldest sample in this message
             self.samples_out += len(message) // 2
@@ -254,6 +292,8 @@ def scrape(url: str) -> dict[str, float]:
     for line in metrics_lines(url, timeout=5):
         name = line.split(" ")[0]
         if name in ("tim_step_seconds_sum", "tim_step_seconds_count", "tim_batch_size_sum", "tim_batch_size_count",
+                    "tim_skipped_hops_total", "tim_late_hops_total", "tim_streams_behind_total",
+                    'tim_refused_total{source="stream"}',
                     "tim_event_loop_lag_seconds_count", LOOP_LAG_UNDER_STALL,
                     'tim_gc_pause_seconds_count{generation="2"}', 'tim_gc_pause_seconds_sum{generation="2"}'):
             values[name] = float(line.split()[-1])
@@ -265,6 +305,7 @@ def late_attribution(clients, budget_ms: float, observer: MachineStallObserver, 
     idle observer process); of the others, those that arrived during or just after a stall of the
     load generator itself (it shares the two cores with the server, so it reads a message late
     although the server sent it in time); and the rest: the ones the service is answerable for."""
+    clients = [c for c in clients if getattr(c, "refused", None) is None]  # refused streams sent nothing
     late_at = [a for c in clients for a, lat in zip(c.arrivals, c.latencies) if lat * 1000 > budget_ms]
     machine = [observer.explains(a) for a in late_at]
     client = [not m and probe is not None and stall_explains(probe.events, a) for a, m in zip(late_at, machine)]
@@ -302,10 +343,20 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
     steps = d.get("tim_step_seconds_count", 0.0)
     stop.set()
     await sampler
-    lat = np.array([x for c in clients for x in c.latencies]) * 1000
+    admitted = [c for c in clients if c.refused is None]
+    lat = np.array([x for c in admitted for x in c.latencies]) * 1000
     budget = args.budget_ms
     errors = [f"client {c.index}: {c.error}" for c in clients if c.error]
+    refused = [c for c in clients if c.refused is not None]
     return {
+        "offered": len(clients), "admitted": len(admitted), "refused": len(refused),
+        "refused_1013_with_capacity": sum(c.close_code == 1013 and c.refused.get("code") == 1013
+                                          and "capacity" in c.refused and "retry_after_s" in c.refused
+                                          for c in refused),
+        "late_notices": sum(c.events["late"] for c in admitted), "gaps": sum(c.events["gap"] for c in admitted),
+        "gap_ms": round(1000 * sum(c.gap_samples for c in admitted) / rate, 1),
+        "server_late_hops": int(d.get("tim_late_hops_total", 0.0)),
+        "server_skipped_hops": int(d.get("tim_skipped_hops_total", 0.0)),
         "streams": args.streams, "seconds": args.seconds, "rate": rate, "chunk_ms": args.chunk_ms,
         "messages": int(lat.size), "late": int((lat > budget).sum()), "budget_ms": budget,
         "latency_p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
@@ -317,7 +368,7 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
         "steps": int(steps), "mean_batch": d.get("tim_batch_size_sum", 0.0) / steps if steps else None,
         "mean_step_ms": 1000 * d.get("tim_step_seconds_sum", 0.0) / steps if steps else None,
         "step_busy_pct": 100 * d.get("tim_step_seconds_sum", 0.0) / wall,
-        "complete": all(c.samples_out == len(c.sent_times) * c.chunk for c in clients if not c.error),
+        "complete": all(c.samples_out == len(c.sent_times) * c.chunk for c in admitted if not c.error),
     } | stall_figures(d, probe) | late_attribution(clients, budget, observer, probe)
 
 
@@ -334,6 +385,8 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=int, help="resample the file to this rate before streaming")
     p.add_argument("--chunk-ms", type=float, default=20.0)
     p.add_argument("--budget-ms", type=float, help="late threshold (default: latency + chunk + 64 ms)")
+    p.add_argument("--overload", type=float, nargs="?", const=2.0, metavar="FACTOR",
+                   help="offer FACTOR (default 2) x the server's measured capacity (--streams is ignored)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     audio, rate = load_audio(args.file, args.rate)
@@ -341,22 +394,38 @@ def main(argv=None) -> int:
     url, pid = args.url, args.server_pid
     if url is None:
         model = model_path(args.model)
-        proc, url = start_server(model, args.streams, args.workers, args.threads)
+        proc, url = start_server(model, args.streams, args.workers, args.threads, calibrate=args.overload is not None)
         pid = proc.pid
+    base = url.replace("ws", "http", 1).rsplit("/v1/", 1)[0]
     try:
-        if args.budget_ms is None:
-            import httpx
+        import httpx
 
-            ready = httpx.get(url.replace("ws", "http", 1).rsplit("/v1/", 1)[0] + "/readyz", timeout=5).json()
+        ready = httpx.get(base + "/readyz", timeout=5).json()
+        if args.budget_ms is None:
             args.budget_ms = ready["latency_ms"] + args.chunk_ms + 64.0
+        capacity = ready.get("capacity", {})
+        if args.overload is not None:
+            args.streams = max(1, math.ceil(args.overload * capacity["streams"]))
+            print(f"capacity {capacity['streams']} live streams ({'measured' if capacity.get('calibrated') else 'fixed'}"
+                  f", per worker {capacity.get('per_worker')}, step p99 by batch {capacity.get('step_p99_ms')}); "
+                  f"offering {args.streams}", file=sys.stderr, flush=True)
         freeze_startup_objects()
         result = asyncio.run(measure(url, audio, rate, args, pid))
+        result["capacity"] = capacity.get("streams")
+        result["healthy"] = all(httpx.get(base + path, timeout=5).status_code == 200 for path in ("/healthz", "/readyz"))
     finally:
         if proc is not None:
             proc.stop()
     if args.json:
         print(json.dumps(result))
     else:
+        if args.overload is not None:
+            print(f"overload x{args.overload:g}: offered {result['offered']} streams to a capacity of "
+                  f"{result['capacity']}: admitted {result['admitted']}, refused {result['refused']} "
+                  f"({result['refused_1013_with_capacity']} with close 1013 and the JSON error); healthy after: "
+                  f"{result['healthy']}")
+        print(f"  server: late hops {result['server_late_hops']}, skipped hops {result['server_skipped_hops']}; "
+              f"clients told: late {result['late_notices']}, gaps {result['gaps']} ({result['gap_ms']} ms)")
         print(f"{result['streams']} streams x {result['seconds']:g} s at {rate} Hz, {args.chunk_ms:g} ms chunks: "
               f"{result['late']} late of {result['messages']} messages (budget {result['budget_ms']:.0f} ms); "
               f"latency p50 {result['latency_p50_ms']:.1f} ms, p99 {result['latency_p99_ms']:.1f} ms, "
@@ -375,7 +444,10 @@ def main(argv=None) -> int:
               f"collections {result['server_full_gcs']} ({result['server_full_gc_ms']} ms in total)")
         for e in result["errors"][:10]:
             print("  error:", e)
-    return 0 if not result["errors"] and result["complete"] else 1
+    ok = not result["errors"] and result["complete"] and result["healthy"]
+    if args.overload is not None:  # the acceptance of overload: on time apart from stalls, the rest refused clearly
+        ok = ok and result["late_other"] == 0 and result["refused_1013_with_capacity"] == result["refused"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from .errors import KINDS
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.032, 0.064, 0.1, 0.25, 0.5, 1.0)
+LATENESS_BUCKETS = (0.004, 0.008, 0.016, 0.024, 0.032, 0.048, 0.064, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.012, 0.016, 0.024, 0.032, 0.048, 0.064, 0.1, 0.25)
 
 
@@ -33,6 +34,29 @@ class Metrics:
                                   buckets=LAG_BUCKETS, registry=r)
         self.gc_pause = Histogram("tim_gc_pause_seconds", "Duration of each collection of generation 1 or 2", ["generation"],
                                   buckets=LAG_BUCKETS, registry=r)
+        # admission (server.capacity) and lateness of live streams (scheduler: catch-up policy)
+        self.capacity = Gauge("tim_capacity_streams", "Live streams admitted at most (measured at start-up, or "
+                              "the capacity setting); tim_active_streams is the live count", registry=r)
+        self.capacity_worker = Gauge("tim_capacity_worker_streams", "Live stream lanes each worker holds within the "
+                                     "step budget", ["worker"], registry=r)
+        self.step_budget = Gauge("tim_capacity_step_budget_seconds", "Step p99 allowed when calibrating: hop x (1 - "
+                                 "capacity_margin)", registry=r)
+        self.calibrated = Gauge("tim_capacity_calibrated", "1 when the capacity was measured at start-up, 0 when "
+                                "fixed by the settings", registry=r)
+        self.refused = Counter("tim_refused", "Streams and REST jobs refused for capacity (1013 / 503)", ["source"],
+                               registry=r)
+        self.lateness = Histogram("tim_stream_lateness_seconds", "Per live hop: from its audio's arrival to the end "
+                                  "of its step", buckets=LATENESS_BUCKETS, registry=r)
+        self.worst_lateness = Gauge("tim_stream_lateness_worst_seconds", "Lateness of the latest live hop of the "
+                                    "stream furthest behind in each worker's last step", ["worker"], registry=r)
+        self.late_hops = Counter("tim_late_hops", "Live hops stepped later than lateness_budget_ms", registry=r)
+        self.behind = Counter("tim_streams_behind", "Times a live stream fell behind lateness_budget_ms (the client "
+                              "got a 'late' message)", registry=r)
+        self.skipped_hops = Counter("tim_skipped_hops", "Live hops skipped (output zeros) because their stream was "
+                                    "later than max_lateness_ms", registry=r)
+        self.gaps = Counter("tim_gaps", "Backlogs skipped (each one a 'gap' message to its client)", registry=r)
+        for source in ("stream", "rest"):
+            self.refused.labels(source=source)
         for kind in KINDS:
             self.errors.labels(kind=kind)
         for source in ("stream", "rest"):

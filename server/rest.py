@@ -31,6 +31,9 @@ router = APIRouter()
 class ErrorDetail(BaseModel):
     kind: str
     message: str
+    capacity: int | None = None  # over_capacity: live streams this server admits
+    active_streams: int | None = None
+    retry_after_s: float | None = None  # also the Retry-After header
 
 
 class ErrorBody(BaseModel):
@@ -70,7 +73,8 @@ RESPONSES = {
     413: _error("Upload over the byte limit, or audio over the duration limit"),
     415: _error("Not an audio file that can be decoded, or an unsupported Content-Type"),
     422: _error("Invalid audio (truncated, absurd sample rate, NaN/Inf, too many channels) or parameter"),
-    503: _error("All enhancement slots are busy; retry later"),
+    503: _error("All enhancement slots are busy, or the live streams use all inference capacity; retry after "
+                "Retry-After seconds"),
 }
 
 

@@ -13,6 +13,12 @@ arrives during a round joins the next one (dynamic batching, no added wait). Fil
 `FILE_FRAMES` hops per call (`LanePool.run`: every weight read once per chunk), or
 `FILE_FRAMES_BESIDE_LIVE` while live streams share the worker, so that a file never holds a live
 hop back for long. All pool and stream-state operations of a worker happen on its thread.
+
+Admission and lateness (README, "Capacity, admission and lateness"): the scheduler admits live
+streams up to the capacity measured at start-up (`server.capacity`); files (REST) only use the
+lanes and the time the live streams leave free; a live stream whose oldest hop waits longer than
+`max_lateness_ms` skips its backlog (zeros, reported to the client as a gap) instead of falling
+further behind.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ from enhancer.errors import AudioError
 from enhancer.runtime import OFFLINE_FRAMES, Enhancer, LanePool, StreamingEnhancer, min_gain_for
 from enhancer.signal import check_rate
 
+from . import capacity as calibration
+from .capacity import Capacity
 from .errors import ServiceError
 from .metrics import Metrics
 from .settings import Settings
@@ -38,6 +46,8 @@ from .settings import Settings
 FILE_FRAMES = OFFLINE_FRAMES  # hops per call of a file's backlog when no live stream shares the worker
 FILE_FRAMES_BESIDE_LIVE = 4  # ... when live streams do: such a call costs about one batched live step
 SWITCH_INTERVAL_S = 0.0005  # GIL hand-over bound for the inference threads (Python's default: 5 ms)
+STREAM_RETRY_S = 5  # retry hint for a stream refused over capacity (streams hold their lanes for minutes)
+REST_RETRY_S = 1
 
 log = logging.getLogger("tim_enhancer.server")
 
@@ -51,6 +61,7 @@ class Delivery:
     acked: int = 0  # sequence number of the last push whose audio is fully processed
     final: bool = False  # the stream's tail after `end`; nothing follows
     error: ServiceError | None = None
+    events: list = field(default_factory=list)  # JSON messages for the client ("late", "on_time", "gap")
 
 
 # ---------------------------------------------------------------------------------- loop side
@@ -75,7 +86,7 @@ class Job:
         if self.closed or self.ended:
             raise RuntimeError("job is finished")
         self.sent += 1
-        self.worker.submit(("push", self, pcm, self.sent))
+        self.worker.submit(("push", self, (pcm, time.perf_counter()), self.sent))  # arrival: for lateness
         return self.sent
 
     def end(self) -> None:
@@ -135,6 +146,7 @@ class Scheduler:
         self.rest_jobs = 0
         self.opened = 0  # jobs ever admitted
         self.jobs: dict[int, Job] = {}
+        self.capacity: Capacity | None = None  # set by start(): measured, or fixed by the settings
 
     # lifecycle
     def start(self) -> None:
@@ -149,14 +161,59 @@ class Scheduler:
         # One onnxruntime session for all workers (its run() is thread-safe): one copy of the weights
         # in the caches instead of one per worker; each worker keeps its own lane pool.
         enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
-        workers = [Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000)
+        workers = [Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000, settings=s,
+                          service_live=self._live_lanes)
                    for i in range(s.workers)]
+        self.capacity = self._measure(workers)
+        for w, lanes in zip(workers, self.capacity.per_worker):
+            w.capacity = lanes
         # The workers hold the GIL only between onnxruntime calls, but each time they want it back the
         # event loop may keep it for a whole switch interval (5 ms by default): a third of a hop.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         for w in workers:
             w.start()
         self.workers = workers
+
+    def _measure(self, workers: list["Worker"]) -> Capacity:
+        """Capacity from the settings, or timed on this machine (before the workers start)."""
+        s, cfg = self.settings, workers[0].enhancer.config
+        hop_s = cfg.stft.hop / cfg.stft.sample_rate
+        if s.capacity is not None:
+            cap = calibration.fixed(s.capacity, len(workers), s.max_streams, hop_s, s.capacity_margin)
+        else:
+            cap = calibration.calibrate([w.pool for w in workers], hop_s, s.capacity_margin, s.max_streams)
+        m = self.metrics
+        m.capacity.set(cap.streams)
+        m.step_budget.set(cap.budget_ms / 1000)
+        m.calibrated.set(int(cap.calibrated))
+        for i, lanes in enumerate(cap.per_worker):
+            m.capacity_worker.labels(worker=str(i)).set(lanes)
+        return cap
+
+    def _live_lanes(self) -> int:
+        return sum(w.live_lanes for w in self.workers)
+
+    @property
+    def live_full(self) -> bool:
+        """No live stream can be admitted now (checked at the websocket handshake)."""
+        cap = self.capacity
+        return cap is not None and (self.streams >= self.settings.max_streams or self._live_lanes() >= cap.streams
+                                    or not any(w.live_room > 0 for w in self.workers))
+
+    def over_capacity(self, source: str, channels: int = 1) -> ServiceError:
+        cap = self.capacity.streams if self.capacity else self.settings.max_streams
+        self.metrics.refused.labels(source=source).inc()
+        if source == "stream":
+            free = max(max((w.live_room for w in self.workers), default=0), 0)
+            room = ("all are in use" if free == 0 or self.streams >= self.settings.max_streams else
+                    f"a worker has room for {free} channel(s), this stream has {channels}")
+            return ServiceError(
+                "over_capacity", f"over capacity: this server holds {cap} live stream(s) in real time (mono; each "
+                f"channel counts) and {room}; retry in {STREAM_RETRY_S} s or use another instance",
+                {"capacity": cap, "active_streams": self.streams}, STREAM_RETRY_S)
+        return ServiceError("over_capacity", f"over capacity: the live streams use all of this server's inference "
+                            f"capacity ({cap} streams); retry in {REST_RETRY_S} s",
+                            {"capacity": cap, "active_streams": self.streams}, REST_RETRY_S)
 
     def stop(self) -> None:
         for w in self.workers:
@@ -172,6 +229,13 @@ class Scheduler:
     def enhancer(self) -> Enhancer:
         return self.workers[0].enhancer
 
+    def public_capacity(self) -> dict:
+        """Capacity and live count for /readyz."""
+        cap = self.capacity
+        out = cap.public() if cap is not None else {}
+        return out | {"active_streams": self.streams, "live_lanes": self._live_lanes(),
+                      "free": max((cap.streams if cap else 0) - self._live_lanes(), 0)}
+
     # admission
     def open(self, sample_rate, channels, atten_lim_db=None, metadata: bool = False, source: str = "stream") -> Job:
         """A new job on the least loaded worker, or ServiceError (invalid_parameter, over_capacity)."""
@@ -186,17 +250,30 @@ class Scheduler:
             min_gain_for(atten_lim_db)
         except AudioError as e:
             raise ServiceError("invalid_parameter", str(e)) from None
-        if source == "stream" and self.streams >= s.max_streams:
-            raise ServiceError("over_capacity", f"server is at its limit of {s.max_streams} concurrent streams; retry later")
         if source == "rest" and self.rest_jobs >= s.max_rest_jobs:
-            raise ServiceError("over_capacity", f"server is at its limit of {s.max_rest_jobs} concurrent enhancements; retry later")
+            self.metrics.refused.labels(source=source).inc()
+            raise ServiceError("over_capacity", f"server is at its limit of {s.max_rest_jobs} concurrent "
+                               f"enhancements; retry in {REST_RETRY_S} s", retry_after_s=REST_RETRY_S)
         if not self.ready:
             raise ServiceError("internal", "inference workers are not running")
-        worker = max(self.workers, key=lambda w: w.lanes_free)
+        if source == "stream":
+            # admitted live lanes stay within the measured capacity, in total and on the chosen worker
+            if self.streams >= s.max_streams or self._live_lanes() + channels > self.capacity.streams:
+                raise self.over_capacity(source, channels)
+            worker = max(self.workers, key=lambda w: (w.live_room, w.lanes_free))
+            if worker.live_room < channels:
+                raise self.over_capacity(source, channels)
+        else:
+            # files use what the live streams leave: refused when live streams hold every worker's capacity
+            worker = max(self.workers, key=lambda w: (w.live_room, w.lanes_free))
+            if worker.live_room <= 0:
+                raise self.over_capacity(source)
         if worker.lanes_free < channels:
-            raise ServiceError("over_capacity", "no free inference lanes; retry later")
+            raise ServiceError("over_capacity", "no free inference lanes; retry later", retry_after_s=REST_RETRY_S)
         job = Job(self, worker, sample_rate, channels, bool(metadata), source)
         worker.lanes_free -= channels
+        if source == "stream":
+            worker.live_lanes += channels
         self.jobs[job.id] = job
         self.opened += 1
         if source == "stream":
@@ -213,6 +290,7 @@ class Scheduler:
             return
         job.worker.lanes_free += job.channels
         if job.source == "stream":
+            job.worker.live_lanes -= job.channels
             self.streams -= 1
             self.metrics.active_streams.set(self.streams)
         else:
@@ -224,7 +302,8 @@ class Scheduler:
 class _Stream:
     """A worker's state for one job."""
 
-    __slots__ = ("job", "se", "gain", "acked", "flushing", "dirty", "steps", "frames", "ready_since")
+    __slots__ = ("job", "se", "gain", "acked", "flushing", "dirty", "steps", "frames", "ready_since", "live",
+                 "arrivals", "hops_in", "first_arrival", "due", "behind", "skipped", "events")
 
     def __init__(self, job: Job, se: StreamingEnhancer):
         self.job, self.se = job, se
@@ -232,20 +311,62 @@ class _Stream:
         self.acked = 0
         self.flushing = False
         self.dirty = False  # has output or an acknowledgement to deliver
-        self.steps = 0  # hops stepped so far (frame index of the next step)
+        self.steps = 0  # hops stepped or skipped so far (frame index of the next step)
         self.frames: list = []  # metadata not yet delivered: (frame, competition, activity)
         self.ready_since = 0.0  # when its oldest ready hop became ready (perf_counter)
+        # lateness of a live stream: hop h is due at max(arrival of the push that completed it,
+        # first arrival + h hops): a client sending faster than real time is never late
+        self.live = job.source == "stream"
+        self.arrivals: collections.deque = collections.deque()  # (hops_in after a push, its arrival time)
+        self.hops_in = 0  # hops made ready by pushes so far
+        self.first_arrival: float | None = None
+        self.due = 0.0  # due time of the hop in the current round
+        self.behind = False  # told the client it is late, not yet that it is on time again
+        self.skipped = 0  # hops skipped (not stepped) to catch up
+        self.events: list = []  # JSON messages for the client, delivered with the next output
+
+    @property
+    def stepping_live(self) -> bool:
+        return self.live and not self.flushing
+
+    def note_push(self, new_hops: int, t: float) -> None:
+        if new_hops > 0:
+            self.hops_in += new_hops
+            self.arrivals.append((self.hops_in, t))
+            if self.first_arrival is None:
+                self.first_arrival = t
+
+    def due_time(self, hop: int, hop_s: float) -> float:
+        """When hop `hop` (stream index) could first have been stepped by a real-time server."""
+        while self.arrivals and self.arrivals[0][0] <= hop:
+            self.arrivals.popleft()
+        arrival = self.arrivals[0][1] if self.arrivals else 0.0
+        return max(arrival, (self.first_arrival or 0.0) + hop * hop_s)
 
 
 class Worker(threading.Thread):
     """An inference thread: a lane pool on the shared session, and the streams placed on it."""
 
-    def __init__(self, index: int, enhancer: Enhancer, lanes: int, metrics: Metrics, max_wait_s: float = 0.0):
+    def __init__(self, index: int, enhancer: Enhancer, lanes: int, metrics: Metrics, max_wait_s: float = 0.0,
+                 settings: Settings | None = None, service_live=None):
         super().__init__(name=f"tim-worker-{index}", daemon=True)
+        s = settings or Settings()
         self.index, self.enhancer, self.metrics = index, enhancer, metrics
         self.max_wait = max_wait_s  # longest a ready hop waits for other streams to join its step
         self.pool = LanePool(enhancer.engine, lanes)
         self.lanes_free = lanes  # reservations, maintained on the event loop
+        self.capacity = lanes  # live lanes this worker holds within the step budget (set by the scheduler)
+        self.live_lanes = 0  # lanes of admitted live streams, maintained on the event loop
+        cfg = enhancer.config
+        self.hop, self.delay, self.model_rate = cfg.stft.hop, cfg.delay_samples, cfg.stft.sample_rate
+        self.hop_s = self.hop / self.model_rate
+        self.late_s = s.lateness_budget_ms / 1000  # a hop stepped later than this: tell the client
+        self.skip_s = s.max_lateness_ms / 1000  # an oldest hop waiting longer than this: skip the backlog
+        # files step on their own only within a duty cycle while live streams are served anywhere
+        # (the cores are shared): credit refills at (1 - margin) s per s, every step spends its time
+        self.duty = 1.0 - s.capacity_margin
+        self._credit, self._credit_t = 0.0, time.perf_counter()
+        self._service_live = service_live or (lambda: 0)
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()
         self._stopping = False
@@ -253,6 +374,12 @@ class Worker(threading.Thread):
         self._out: list[tuple[Job, Delivery]] = []
         self._acks_due = False  # a push left a stream with output to hand over but no hop to step
         self._lanes_gauge = metrics.lanes_in_use.labels(worker=str(index))
+        self._worst_gauge = metrics.worst_lateness.labels(worker=str(index))
+
+    @property
+    def live_room(self) -> int:
+        """Live lanes this worker can still admit (event loop side)."""
+        return self.capacity - self.live_lanes
 
     def submit(self, cmd) -> None:
         with self._cv:
@@ -299,18 +426,26 @@ class Worker(threading.Thread):
         nothing to step). A step waits until every live stream has a hop ready, or until the oldest
         ready hop has waited `max_wait`: big batches cost far less per stream than small ones, and
         a live stream needs only one step per 16 ms. Files and flushing streams never wait when no
-        live stream is ready; otherwise they run in the live streams' rounds (`_run_file`)."""
-        ready_live, ready_other, live = [], False, 0
+        live stream is ready; otherwise they run after the live streams' step in the same round,
+        within the lanes and time the live streams leave (`_files`)."""
+        ready_live, files, flushing, live = [], [], False, 0
         for st in self.streams.values():
-            is_live = st.job.source == "stream" and not st.flushing
+            is_live = st.stepping_live
             live += is_live
             if st.se.ready_hops():
                 if is_live:
                     ready_live.append(st)
+                elif st.live:
+                    flushing = True
                 else:
-                    ready_other = True
+                    files.append(st)
         if not ready_live:
-            return 0 if ready_other else None
+            if flushing:
+                return 0
+            if not files:
+                return None
+            allowed, wait = self._files(files, False, time.perf_counter())
+            return 0 if allowed else wait
         if self.max_wait <= 0 or len(ready_live) >= live:
             return 0
         remaining = min(st.ready_since for st in ready_live) + self.max_wait - time.perf_counter()
@@ -341,13 +476,16 @@ class Worker(threading.Thread):
         elif st is None:
             return  # closed or failed already
         elif op == "push":
-            had_hop = st.se.ready_hops() > 0
+            pcm, arrived = arg
+            had = st.se.ready_hops()
             try:
-                st.se.push(arg, "audio")
+                st.se.push(pcm, "audio")
             except Exception as e:  # noqa: BLE001
                 self._fail(job, e)
                 self._drop(st)
                 return
+            st.note_push(st.se.ready_hops() - had, arrived)
+            had_hop = had > 0
             st.acked, st.dirty = seq, True
             if not had_hop:
                 st.ready_since = time.perf_counter()
@@ -355,22 +493,33 @@ class Worker(threading.Thread):
                 self._acks_due = True
         elif op == "end":
             st.se.begin_flush()
+            if st.skipped:
+                _trim_flush(st.se, st.skipped)
             st.flushing, st.dirty, st.acked = True, True, seq
             self._acks_due = True
         elif op == "close":
             self._drop(st)
 
     def _round(self) -> None:
-        """One batched step over every live stream with a ready hop, then one multi-frame call per
-        file with ready hops (`_run_file`)."""
-        live, files = [], []
+        """One batched step over every live stream with a ready hop (a stream too late first skips
+        its backlog, `_catch_up`), then one multi-frame call (`_run_file`) per flushing stream and
+        per file that the live streams leave lanes and time for (`_files`)."""
+        now = time.perf_counter()
+        live, flushing, files = [], [], []
         for st in self.streams.values():
-            if st.se.ready_hops():
-                (live if st.job.source == "stream" and not st.flushing else files).append(st)
+            if not st.se.ready_hops():
+                continue
+            if st.stepping_live:
+                self._catch_up(st, now)
+                st.due = st.due_time(st.steps, self.hop_s)
+                live.append(st)
+            elif st.live:
+                flushing.append(st)
+            else:
+                files.append(st)
         self._round_live(live)
-        frames = FILE_FRAMES_BESIDE_LIVE if any(st.job.source == "stream" and not st.flushing
-                                                for st in self.streams.values()) else FILE_FRAMES
-        for st in files:
+        frames = FILE_FRAMES_BESIDE_LIVE if any(st.stepping_live for st in self.streams.values()) else FILE_FRAMES
+        for st in flushing + self._files(files, bool(live), time.perf_counter())[0]:
             if st.job.id in self.streams:
                 self._run_file(st, frames)
 
@@ -380,7 +529,12 @@ class Worker(threading.Thread):
         se = st.se
         n = min(se.ready_hops(), frames)
         try:
-            r = self.pool.run(se.lanes, se.take_hops(n), st.gain)
+            t0 = time.perf_counter()
+            try:
+                r = self.pool.run(se.lanes, se.take_hops(n), st.gain)
+            finally:
+                t1 = time.perf_counter()
+                self._spend(t1 - t0, t1)
             self.metrics.batch_size.observe(len(se.lanes))
             se.put_outputs(r.out, None, None)
             if st.job.metadata:
@@ -425,16 +579,97 @@ class Worker(threading.Thread):
         lanes = np.concatenate([st.se.lanes for st in group])
         gains = np.concatenate([st.gain for st in group])
         t0 = time.perf_counter()
-        r = self.pool.step(lanes, np.concatenate(hops), gains)
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        try:
+            r = self.pool.step(lanes, np.concatenate(hops), gains)
+        finally:
+            t1 = time.perf_counter()
+            self._spend(t1 - t0, t1)
+        self.metrics.step_seconds.observe(t1 - t0)
         self.metrics.batch_size.observe(len(lanes))
         return r
+
+    # ------------------------------------------------------------------ admission and lateness
+    def _spend(self, seconds: float, now: float) -> None:
+        self._refill(now)
+        self._credit -= seconds
+
+    def _refill(self, now: float) -> None:
+        self._credit = min(self._credit + (now - self._credit_t) * self.duty, self.hop_s * self.duty)
+        self._credit_t = now
+
+    def _files(self, others: list[_Stream], with_live: bool, now: float) -> tuple[list[_Stream], float | None]:
+        """The files (REST jobs) among `others` that may step now, and otherwise how long to
+        wait before they may (None: until a command arrives). Beside live streams on this worker
+        they use the lanes those leave within its capacity; in a step of their own, while live
+        streams are served anywhere, only the duty-cycle credit (so the cores stay free for them)."""
+        if not others:
+            return [], None
+        if not with_live and self._service_live():
+            self._refill(now)
+            if self._credit <= 0:
+                return [], max(-self._credit / max(self.duty, 1e-3), 0.0005)
+        if not self.live_lanes:
+            return others, None
+        room = max(self.capacity - self.live_lanes, 0)
+        files = []
+        for st in others:
+            if st.se.channels <= room:
+                files.append(st)
+                room -= st.se.channels
+        return files, None
+
+    def _catch_up(self, st: _Stream, now: float) -> None:
+        """A live stream whose oldest hop is later than `max_lateness_ms` skips all its ready hops
+        but the newest: their output is zeros (sample alignment is kept) and the client gets a
+        "gap" message naming the output samples that are not its enhanced input."""
+        se = st.se
+        k = se.ready_hops() - 1
+        if k < 1 or now - st.due_time(st.steps, self.hop_s) <= self.skip_s:
+            return
+        lateness = now - st.due_time(st.steps, self.hop_s)
+        for _ in range(k):
+            se.take_hop()
+        se.put_output(np.zeros((se.channels, k * self.hop), np.float32), None, None)
+        first = st.steps
+        st.steps += k
+        st.skipped += k
+        st.dirty = True
+        # output of skipped hops is zeros, and the model's delay line puts the audio before the gap
+        # after it: the output samples [first hop - delay, last skipped hop end) are not enhanced input
+        scale = st.job.sample_rate / self.model_rate
+        start = round(max(first * self.hop - self.delay, 0) * scale)
+        end = round((first + k) * self.hop * scale)
+        st.events.append({"type": "gap", "start_sample": start, "samples": end - start,
+                          "skipped_ms": round(1000 * k * self.hop_s, 1), "lateness_ms": round(1000 * lateness, 1)})
+        self.metrics.skipped_hops.inc(k)
+        self.metrics.gaps.inc()
+        log.warning("stream %d was %.0f ms late: skipped %d hop(s)", st.job.id, 1000 * lateness, k)
+
+    def _lateness(self, st: _Stream, done: float) -> float:
+        """Record how late a live hop was stepped (returned, s); tell the client when it falls
+        behind the budget and when it is on time again."""
+        late = max(done - st.due, 0.0)
+        self.metrics.lateness.observe(late)
+        if late > self.late_s:
+            self.metrics.late_hops.inc()
+            if not st.behind:
+                st.behind = True
+                self.metrics.behind.inc()
+                st.events.append({"type": "late", "lateness_ms": round(1000 * late, 1),
+                                  "budget_ms": round(1000 * self.late_s, 1),
+                                  "max_lateness_ms": round(1000 * self.skip_s, 1)})
+        elif st.behind and late <= self.late_s / 2:
+            st.behind = False
+            st.events.append({"type": "on_time", "lateness_ms": round(1000 * late, 1)})
+        return late
 
     def _scatter(self, group: list[_Stream], r) -> None:
         """Hand each stream its slice of a step's result (a stream whose bookkeeping fails is
         closed alone)."""
         o = 0
         counts = collections.Counter()
+        done = time.perf_counter()
+        worst = None
         for st in group:
             c = st.se.channels
             try:
@@ -450,7 +685,12 @@ class Worker(threading.Thread):
                 st.steps += 1
                 st.dirty = True
                 counts[st.job.source] += 1
+                if st.stepping_live:
+                    late = self._lateness(st, done)
+                    worst = late if worst is None else max(worst, late)
             o += c
+        if worst is not None:
+            self._worst_gauge.set(worst)
         for source, n in counts.items():
             self.metrics.frames.labels(source=source).inc(n)
         now = time.perf_counter()
@@ -485,8 +725,9 @@ class Worker(threading.Thread):
         else:
             audio, final = se.pull().reshape(-1, se.channels), False
         frames, st.frames = st.frames, []
+        events, st.events = st.events, []
         acked = st.acked if drained else 0
-        self._out.append((st.job, Delivery(audio, frames, acked, final)))
+        self._out.append((st.job, Delivery(audio, frames, acked, final, events=events)))
         if final:
             self._drop(st)
 
@@ -515,6 +756,17 @@ class Worker(threading.Thread):
                 loop.call_soon_threadsafe(_dispatch, batch)
             except RuntimeError:  # loop closed (shutdown): nobody is listening any more
                 pass
+
+
+def _trim_flush(se: StreamingEnhancer, skipped: int) -> None:
+    """After `begin_flush` of a stream that skipped hops: the flush pads for the hops the pool has
+    stepped, not for those skipped (whose output was already given); drop the padding hops that
+    would only make output past the input's end."""
+    hop = se.config.stft.hop
+    produced = (int(se.pool.pos[se.lanes[0]]) + skipped) * hop
+    need = -(-max(se.config.delay_samples + se.n_in_model - produced, 0) // hop)
+    if se.ready_hops() > need:
+        se._pending = se._pending[:need * hop]  # noqa: SLF001 - the padding is the tail of the pending input
 
 
 def _dispatch(batch) -> None:

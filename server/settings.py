@@ -25,6 +25,11 @@ class Settings:
     max_rest_jobs: int = 4  # concurrent REST enhancements (503 beyond)
     max_channels: int = 8  # channels of one stream or file
     max_batch_wait_ms: float = 12.0  # a ready hop may wait this long for other live streams to join its step
+    # admission and lateness (server/README.md, "Capacity, admission and lateness")
+    capacity: int | None = None  # live streams admitted; None: measured at start-up (server.capacity)
+    capacity_margin: float = 0.4  # share of the 16 ms hop the step p99 must leave free when calibrating
+    lateness_budget_ms: float = 40.0  # a hop stepped later than this after it arrived: the client is told
+    max_lateness_ms: float = 60.0  # a live stream later than this skips its backlog (a marked gap)
     api_key: str | None = None  # required on /v1/* when set (REST header, websocket header or query)
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; () = no CORS headers
     # REST limits
@@ -77,6 +82,18 @@ class Settings:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
+                                          or self.capacity < 1):
+            raise ValueError(f"capacity must be an integer >= 1 or None (measure it), got {self.capacity!r}")
+        if not isinstance(self.capacity_margin, (int, float)) or not 0 <= self.capacity_margin < 1:
+            raise ValueError(f"capacity_margin must be a number in [0, 1), got {self.capacity_margin!r}")
+        for name in ("lateness_budget_ms", "max_lateness_ms"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if self.max_lateness_ms < self.lateness_budget_ms:
+            raise ValueError(f"max_lateness_ms ({self.max_lateness_ms:g}) must be >= lateness_budget_ms "
+                             f"({self.lateness_budget_ms:g})")
         if not isinstance(self.max_batch_wait_ms, (int, float)) or not 0 <= self.max_batch_wait_ms <= 16:
             raise ValueError(f"max_batch_wait_ms must be a number in 0..16, got {self.max_batch_wait_ms!r}")
         if self.api_key is not None and not str(self.api_key).strip():
@@ -90,6 +107,6 @@ class Settings:
 
     def public(self) -> dict:
         """The limits a client may see (no secrets)."""
-        keep = ("max_streams", "max_channels", "max_upload_bytes", "max_duration_s", "max_message_bytes",
+        keep = ("max_streams", "max_channels", "lateness_budget_ms", "max_lateness_ms", "max_upload_bytes", "max_duration_s", "max_message_bytes",
                 "max_messages_per_s", "max_stream_s", "idle_timeout_s")
         return {k: getattr(self, k) for k in keep} | {"auth": self.api_key is not None}

@@ -122,7 +122,8 @@ def windows(clients, t0: float, seconds: float, width: float, budget_ms: float) 
     t = np.concatenate([np.asarray(c.arrivals) for c in clients]) - t0 if clients else np.zeros(0)
     lat = np.concatenate([np.asarray(c.latencies) for c in clients]) * 1000 if clients else np.zeros(0)
     out = []
-    for start in np.arange(0, seconds + width / 2, width):
+    end = max(seconds, float(t.max()) if t.size else 0.0)  # a slow run's last messages still count in a window
+    for start in np.arange(0, end + width / 2, width):
         m = (t >= start) & (t < start + width)
         w = lat[m]
         out.append({"t": float(start), "messages": int(w.size), "late": int((w > budget_ms).sum()),

@@ -10,7 +10,13 @@
     server -> the tail, then {"type": "end", "samples": n}, then close 1000
 
 Errors: {"type": "error", "kind", "message", "code"}, then close with `code` (1003 unsupported
-data, 1007 invalid payload, 1008 policy/auth/limits, 1009 too big, 1011 internal, 1013 over capacity).
+data, 1007 invalid payload, 1008 policy/auth/limits, 1009 too big, 1011 internal, 1013 over capacity:
+the error then also carries "capacity", "active_streams" and "retry_after_s").
+
+A live stream that falls behind gets {"type": "late", "lateness_ms", "budget_ms", "max_lateness_ms"},
+then {"type": "on_time", "lateness_ms"} once it has caught up; if its backlog was skipped,
+{"type": "gap", "start_sample", "samples", "skipped_ms", "lateness_ms"} names the output samples
+(at the stream's rate) that are not its enhanced input.
 """
 from __future__ import annotations
 
@@ -53,6 +59,8 @@ async def stream(ws: WebSocket) -> None:
     try:
         if ws.app.state.draining:
             raise _Drain()
+        if ws.app.state.scheduler.live_full:  # refused at the handshake: no need to wait for the start message
+            raise ws.app.state.scheduler.over_capacity("stream")
         await session.run()
     except ServiceError as e:
         await session.fail(e)
@@ -271,6 +279,8 @@ class StreamSession:
                 await self._send_bytes(encode_pcm(d.audio, self.encoding))
             if d.frames:
                 await self._send_json(self._metadata_message(d.frames))
+            for event in d.events:  # "late", "on_time", "gap" (README: Capacity, admission and lateness)
+                await self._send_json(event)
             if d.final:
                 if self.draining:
                     await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown"})

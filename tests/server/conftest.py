@@ -57,8 +57,12 @@ class LiveServer:
         self.thread.join(timeout=15)
 
 
-# Limits small enough to hit in a test, large enough for the round trips.
-TEST_LIMITS = dict(device="cpu", workers=1, max_streams=24, max_rest_jobs=4, max_upload_bytes=3_000_000,
+# Limits small enough to hit in a test, large enough for the round trips. The capacity is fixed (no
+# calibration: tests do not depend on this machine's speed; max_streams caps it), and so late that no
+# stream is told it is late or skips its backlog on a busy machine (tests/server/test_capacity.py
+# covers those with a deliberately slow step).
+TEST_LIMITS = dict(device="cpu", workers=1, max_streams=24, capacity=64, lateness_budget_ms=30_000.0,
+                   max_lateness_ms=60_000.0, max_rest_jobs=4, max_upload_bytes=3_000_000,
                    max_duration_s=30.0, rest_chunk_s=0.25, max_message_bytes=200_000, idle_timeout_s=3.0)
 
 

@@ -426,7 +426,8 @@ def _free_port() -> int:
 
 def _serve(model, port, *extra, env=None) -> subprocess.Popen:
     code = ("import sys, server; server.run(host='127.0.0.1', port=int(sys.argv[1]), model=sys.argv[2], "
-            "device='cpu', max_streams=8, drain_timeout_s=8.0, max_batch_wait_ms=2.0)")
+            "device='cpu', max_streams=8, capacity=8, lateness_budget_ms=30000.0, max_lateness_ms=60000.0, "
+            "drain_timeout_s=8.0, max_batch_wait_ms=2.0)")  # fixed capacity, no skipping: exact tails on a busy machine
     return subprocess.Popen([sys.executable, "-c", code, str(port), str(model), *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -1,0 +1,164 @@
+"""Measured capacity: how many live streams each worker can step within the hop, on this machine.
+
+At start-up, before the service turns ready, every worker times its own batched step
+(`LanePool.step`) at growing batch sizes, all workers at once (so that they compete for the cores
+and the memory bandwidth as they do when serving), each step paced at the 16 ms hop as live audio
+paces it (a step back to back with the previous one finds the weights in the caches and looks
+cheaper than it is). A worker's capacity is the largest batch whose step p99 stays within the
+step budget, `hop x (1 - capacity_margin)`: the margin is left for the event loop (receiving,
+decoding, resampling and sending every stream's audio), for the batch wait and for catching up
+after a stall. Batch sizes between two measured ones are interpolated; p99 is made monotonic in
+the batch size first (a noisy small batch never raises the capacity). A batch size whose p99 is
+over the budget while its median is under half of it (one preemption among the samples) is timed
+once more, and the lower p99 of the two runs counts.
+
+Calibration takes about `len(BATCHES) x REPS` hops (a few seconds) and stops early at the first
+batch size over the budget or at `deadline_s`. `Settings.capacity` replaces it with a fixed
+number (tests, or an operator who measured the machine with `python -m server.loadtest`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("tim_enhancer.server")
+
+BATCHES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+REPS = 32  # paced steps timed per batch size (p99 of 32 is close to their maximum: conservative)
+WARMUP = 3  # steps per batch size before timing (onnxruntime plans each new shape once)
+
+
+@dataclass(frozen=True)
+class WorkerCapacity:
+    """One worker's calibration: live lanes it holds, and the step p99 (ms) per batch size timed."""
+
+    lanes: int
+    step_p99_ms: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Live streams (mono: one lane each) the service admits, and how the figure was obtained."""
+
+    streams: int  # admitted live lanes over all workers: min(sum of the workers', max_streams)
+    per_worker: tuple[int, ...]
+    calibrated: bool  # False: a fixed number from the settings
+    budget_ms: float  # step p99 allowed: hop x (1 - margin)
+    margin: float
+    step_p99_ms: tuple[dict, ...] = ()  # per worker: batch -> p99 (ms)
+    seconds: float = 0.0  # how long the calibration took
+
+    def public(self) -> dict:
+        return {"streams": self.streams, "per_worker": list(self.per_worker), "calibrated": self.calibrated,
+                "step_budget_ms": round(self.budget_ms, 2), "margin": self.margin,
+                "step_p99_ms": [{str(b): round(ms, 2) for b, ms in d.items()} for d in self.step_p99_ms],
+                "calibration_s": round(self.seconds, 2)}
+
+
+def fixed(streams: int, workers: int, max_streams: int, hop_s: float, margin: float) -> Capacity:
+    """`streams` (capped at `max_streams`) spread over the workers, no measurement."""
+    total = min(streams, max_streams)
+    per = [total // workers + (i < total % workers) for i in range(workers)]
+    # a worker may hold more than its share when another is empty: admission also checks the total
+    return Capacity(total, tuple(max(p, 1) if total else 0 for p in per), False, 1000 * hop_s * (1 - margin), margin)
+
+
+def lanes_within(points: dict[int, float], budget_ms: float) -> int:
+    """The largest batch whose p99 (interpolated between measured sizes, made monotonic) is within
+    `budget_ms`; the largest measured size if all are within, 0 if none is."""
+    sizes = sorted(points)
+    envelope = np.maximum.accumulate([points[b] for b in sizes])
+    best = 0
+    for i, (b, p) in enumerate(zip(sizes, envelope)):
+        if p > budget_ms:
+            if i > 0:  # interpolate between the last size within the budget and this one
+                b0, p0 = sizes[i - 1], envelope[i - 1]
+                best = int(b0 + (budget_ms - p0) * (b - b0) / max(p - p0, 1e-9))
+            return best
+        best = b
+    return best
+
+
+def time_steps(pool, batch: int, reps: int, hop_s: float, rng: np.random.Generator) -> np.ndarray:
+    """Durations (s) of `reps` steps of `batch` lanes (0..batch-1), one per hop."""
+    lanes = np.arange(batch)
+    hop = pool.engine.config.stft.hop
+    gains = np.ones(batch, np.float32)
+    hops = (0.05 * rng.standard_normal((batch, hop))).astype(np.float32)
+    for _ in range(WARMUP):
+        pool.step(lanes, hops, gains)
+    out = np.empty(reps)
+    tick = time.perf_counter()
+    for k in range(reps):
+        t0 = time.perf_counter()
+        pool.step(lanes, hops, gains)
+        t1 = time.perf_counter()
+        out[k] = t1 - t0
+        tick += hop_s
+        if tick > t1:
+            time.sleep(tick - t1)
+        else:
+            tick = t1
+    pool.reset(lanes)
+    return out
+
+
+def calibrate_pool(pool, hop_s: float, budget_s: float, max_lanes: int, deadline: float, reps: int = REPS,
+                   seed: int = 0) -> WorkerCapacity:
+    rng = np.random.default_rng(seed)
+    points: dict[int, float] = {}
+    for b in [b for b in BATCHES if b < max_lanes] + [max_lanes]:
+        if points and time.perf_counter() > deadline:
+            break
+        d = time_steps(pool, b, reps, hop_s, rng)
+        p99, p50 = np.percentile(d, [99, 50])
+        if p99 > budget_s and p50 < budget_s / 2 and time.perf_counter() < deadline:
+            p99 = min(p99, np.percentile(time_steps(pool, b, reps, hop_s, rng), 99))  # one spike: time again
+        points[b] = 1000 * float(p99)
+        if p99 > budget_s:
+            break
+    # all within the budget (sizes or time ran out): the largest size measured, never more
+    return WorkerCapacity(min(lanes_within(points, 1000 * budget_s), max_lanes), points)
+
+
+def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: float = 5.0,
+              reps: int = REPS) -> Capacity:
+    """Time every pool's step at once (one thread each, as the workers run) and derive capacity."""
+    budget_s = hop_s * (1 - margin)
+    t0 = time.perf_counter()
+    deadline = t0 + deadline_s
+    results: list[WorkerCapacity | BaseException | None] = [None] * len(pools)
+    barrier = threading.Barrier(len(pools))
+
+    def run(i: int, pool) -> None:
+        try:
+            barrier.wait()
+            results[i] = calibrate_pool(pool, hop_s, budget_s, min(max_streams, pool.capacity), deadline, reps, seed=i)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, p), name=f"tim-calibrate-{i}") for i, p in enumerate(pools)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    per = [r.lanes for r in results]
+    total = min(sum(per), max_streams)
+    if total == 0:
+        log.warning("calibration: even a step of one stream has a p99 over the %.1f ms budget (%s); admitting "
+                    "one stream anyway (lower capacity_margin, add cores or set a fixed capacity)",
+                    1000 * budget_s, ", ".join(f"{r.step_p99_ms.get(1, float('nan')):.1f} ms" for r in results))
+        per, total = [1] + [0] * (len(per) - 1), 1
+    cap = Capacity(total, tuple(per), True, 1000 * budget_s, margin, tuple(r.step_p99_ms for r in results),
+                   time.perf_counter() - t0)
+    log.info("capacity: %d live stream(s) (per worker %s; step budget %.1f ms = hop x (1 - %.2f)), measured in "
+             "%.1f s; step p99 by batch: %s", cap.streams, list(per), cap.budget_ms, margin, cap.seconds,
+             "; ".join(", ".join(f"{b}: {ms:.1f}" for b, ms in r.step_p99_ms.items()) for r in results))
+    return cap

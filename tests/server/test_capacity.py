@@ -1,0 +1,337 @@
+"""Capacity, admission and lateness: refusal at capacity (1013 / 503 with the JSON error), the
+capacity in /readyz and /metrics, calibration on a fake step, and the catch-up policy with a
+deliberately slow step (a stream that falls behind is told so and skips its backlog, marked as a gap)."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from websockets.asyncio.client import connect as aconnect
+from websockets.sync.client import connect
+
+from server import capacity as calibration
+from server.metrics import Metrics
+from server.scheduler import Worker, _Stream
+from server.settings import Settings
+from tests.conftest import speechlike
+
+from .conftest import TEST_LIMITS, LiveServer
+from .test_ws import expect_close, from_bytes, to_bytes
+
+HOP_S = 0.016
+
+
+def metric(srv, name: str) -> float:
+    for line in httpx.get(srv.base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.fixture(scope="module")
+def live_cap(model_path):
+    """Capacity fixed at 2 live streams (max_streams 8 would allow more)."""
+    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(max_streams=8, capacity=2, max_rest_jobs=2)))
+    yield srv
+    srv.stop()
+
+
+# ---------------------------------------------------------------------------------- admission
+def test_capacity_and_live_count_in_readyz_and_metrics(live_cap):
+    r = httpx.get(live_cap.base + "/readyz", timeout=10).json()
+    cap = r["capacity"]
+    assert cap["streams"] == 2 and cap["calibrated"] is False and cap["per_worker"] == [2]
+    assert cap["active_streams"] == 0 and cap["free"] == 2
+    assert metric(live_cap, "tim_capacity_streams") == 2
+    assert metric(live_cap, "tim_capacity_calibrated") == 0
+    assert metric(live_cap, 'tim_capacity_worker_streams{worker="0"}') == 2
+    text = httpx.get(live_cap.base + "/metrics", timeout=10).text
+    for name in ("tim_stream_lateness_seconds_bucket", "tim_stream_lateness_worst_seconds", "tim_late_hops_total", "tim_streams_behind_total",
+                 "tim_skipped_hops_total", "tim_gaps_total", 'tim_refused_total{source="stream"}'):
+        assert name in text, name
+
+
+def test_stream_beyond_capacity_is_refused_with_1013_and_the_capacity(live_cap):
+    refused0 = metric(live_cap, 'tim_refused_total{source="stream"}')
+    with connect(live_cap.ws_url) as a, connect(live_cap.ws_url) as b:
+        for ws in (a, b):
+            ws.send(json.dumps({"sample_rate": 16000}))
+            assert json.loads(ws.recv(timeout=10))["type"] == "ready"
+        r = httpx.get(live_cap.base + "/readyz", timeout=10).json()
+        assert r["active_streams"] == 2 and r["capacity"]["free"] == 0
+        assert metric(live_cap, "tim_active_streams") == 2
+        # the third: at the handshake (no start message sent) and after a start message
+        for start in (False, True):
+            with connect(live_cap.ws_url) as c:
+                if start:
+                    try:
+                        c.send(json.dumps({"sample_rate": 16000}))
+                    except Exception:  # noqa: BLE001 - the refusal may already have closed the socket
+                        pass
+                err = json.loads(c.recv(timeout=10))
+                with pytest.raises(Exception):
+                    c.recv(timeout=10)
+                assert c.close_code == 1013
+            assert err["type"] == "error" and err["kind"] == "over_capacity" and err["code"] == 1013, err
+            assert err["capacity"] == 2 and err["active_streams"] == 2 and err["retry_after_s"] > 0, err
+            assert "2 live stream" in err["message"] and "retry" in err["message"], err
+    assert metric(live_cap, 'tim_refused_total{source="stream"}') == refused0 + 2
+    live_cap.wait_idle()
+    expect_close(live_cap.ws_url, [json.dumps({"type": "end"})], 1000)  # room again once they left
+
+
+def test_stereo_stream_counts_two_of_the_capacity(live_cap):
+    with connect(live_cap.ws_url) as a:
+        a.send(json.dumps({"sample_rate": 16000}))
+        assert json.loads(a.recv(timeout=10))["type"] == "ready"
+        with connect(live_cap.ws_url) as b:  # one place left: a stereo stream does not fit
+            b.send(json.dumps({"sample_rate": 16000, "channels": 2}))
+            err = json.loads(b.recv(timeout=10))
+            assert err["kind"] == "over_capacity" and err["code"] == 1013 and err["capacity"] == 2, err
+            assert "room for 1 channel" in err["message"], err
+        with connect(live_cap.ws_url) as c:  # a mono one does
+            c.send(json.dumps({"sample_rate": 16000}))
+            assert json.loads(c.recv(timeout=10))["type"] == "ready"
+    live_cap.wait_idle()
+
+
+def test_open_refuses_at_the_start_message_when_capacity_is_taken_meanwhile(live_cap):
+    """The handshake passed (room left), then another stream took the last place: the start
+    message gets 1013."""
+    sched = live_cap.scheduler
+    with connect(live_cap.ws_url) as a:
+        a.send(json.dumps({"sample_rate": 16000}))
+        assert json.loads(a.recv(timeout=10))["type"] == "ready"
+        with connect(live_cap.ws_url) as b:  # handshake accepted: one place left
+            with connect(live_cap.ws_url) as c:
+                c.send(json.dumps({"sample_rate": 16000}))
+                assert json.loads(c.recv(timeout=10))["type"] == "ready"
+                assert sched.live_full
+                b.send(json.dumps({"sample_rate": 16000}))
+                err = json.loads(b.recv(timeout=10))
+                assert err["kind"] == "over_capacity" and err["capacity"] == 2, err
+    live_cap.wait_idle()
+
+
+def test_rest_gets_503_with_retry_after_while_live_streams_hold_the_capacity(live_cap):
+    b = io.BytesIO()
+    sf.write(b, speechlike(4000, 16000, seed=2), 16000, format="WAV")
+    h = {"Content-Type": "audio/wav"}
+    with connect(live_cap.ws_url) as s1, connect(live_cap.ws_url) as s2:
+        for ws in (s1, s2):
+            ws.send(json.dumps({"sample_rate": 16000}))
+            assert json.loads(ws.recv(timeout=10))["type"] == "ready"
+        r = httpx.post(live_cap.base + "/v1/enhance", content=b.getvalue(), headers=h, timeout=60)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        err = r.json()["error"]
+        assert err["kind"] == "over_capacity" and err["capacity"] == 2 and err["retry_after_s"] >= 1, err
+    live_cap.wait_idle()
+    r = httpx.post(live_cap.base + "/v1/enhance", content=b.getvalue(), headers=h, timeout=60)
+    assert r.status_code == 200
+
+
+def test_files_only_use_the_lanes_and_time_live_streams_leave(enhancer_rt):
+    """A worker's files ride beside its live streams within its capacity, and step on their own
+    only within the duty cycle while live streams are served."""
+    s = Settings.build(capacity_margin=0.5)
+    live = {"lanes": 0}
+    w = Worker(0, enhancer_rt, 16, Metrics(), settings=s, service_live=lambda: live["lanes"])
+    w.capacity = 4
+    files = [SimpleNamespace(se=SimpleNamespace(channels=c)) for c in (2, 1, 2)]
+    now = time.perf_counter()
+    assert w._files(files, False, now)[0] == files  # no live stream anywhere: no limit
+    w.live_lanes = live["lanes"] = 2
+    assert w._files(files, True, now)[0] == files[:1]  # 2 lanes left: the 2-channel file only
+    w.live_lanes = live["lanes"] = 4
+    assert w._files(files, True, now)[0] == []  # live streams hold the capacity: files wait
+    w.live_lanes, live["lanes"] = 0, 3  # live streams on another worker: a duty cycle
+    w._credit, w._credit_t = -0.004, now
+    allowed, wait = w._files(files, False, now)
+    assert allowed == [] and wait == pytest.approx(0.008, rel=0.01)
+    assert w._files(files, False, now + 0.009)[0] == files
+
+
+# ---------------------------------------------------------------------------------- calibration
+def test_lanes_within_interpolates_and_ignores_noisy_dips():
+    assert calibration.lanes_within({1: 2.0, 2: 3.0, 4: 5.0, 8: 9.0, 16: 17.0}, 9.6) == 8
+    assert calibration.lanes_within({1: 2.0, 8: 6.0, 16: 14.0}, 10.0) == 12  # halfway between 8 and 16
+    assert calibration.lanes_within({1: 2.0, 2: 12.0, 4: 3.0}, 9.6) == 1  # a dip after a spike does not count
+    assert calibration.lanes_within({1: 11.0}, 9.6) == 0
+    assert calibration.lanes_within({1: 1.0, 2: 1.5}, 9.6) == 2  # all within: what was measured
+
+
+def test_fixed_capacity_is_capped_by_max_streams_and_spread_over_workers():
+    cap = calibration.fixed(10, 2, 64, HOP_S, 0.4)
+    assert cap.streams == 10 and cap.per_worker == (5, 5) and not cap.calibrated
+    assert calibration.fixed(100, 3, 8, HOP_S, 0.4).per_worker == (3, 3, 2)
+
+
+class FakePool:
+    """A lane pool whose step takes 1 ms + 1 ms per lane (a slow model on a slow machine)."""
+
+    capacity = 64
+
+    def __init__(self):
+        self.engine = SimpleNamespace(config=SimpleNamespace(stft=SimpleNamespace(hop=256)))
+        self.batches = []
+
+    def step(self, lanes, hops, gains):
+        self.batches.append(len(lanes))
+        time.sleep(0.001 * (1 + len(lanes)))
+
+    def reset(self, lanes):
+        pass
+
+
+def test_calibration_times_each_worker_and_stays_within_the_budget():
+    pools = [FakePool(), FakePool()]
+    cap = calibration.calibrate(pools, HOP_S, 0.4, max_streams=64, reps=4)
+    budget_ms = 1000 * HOP_S * 0.6  # 9.6 ms: the fake step fits at most 8 lanes
+    assert cap.calibrated and cap.budget_ms == pytest.approx(budget_ms)
+    assert len(cap.per_worker) == 2 and all(0 <= n <= 8 for n in cap.per_worker)
+    assert cap.streams == max(sum(cap.per_worker), 1)
+    for pool, p99 in zip(pools, cap.step_p99_ms):
+        assert pool.batches and 1 in p99  # each worker timed its own steps, from batch 1 up
+        assert max(pool.batches) <= 16  # stopped at the first size over the budget
+    assert calibration.calibrate([FakePool()], HOP_S, 0.4, max_streams=3, reps=2).streams <= 3
+
+
+def test_server_calibrates_at_start_up_before_it_is_ready(model_path):
+    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=None, max_streams=4)))
+    try:
+        cap = httpx.get(srv.base + "/readyz", timeout=10).json()["capacity"]
+        assert cap["calibrated"] is True and 1 <= cap["streams"] <= 4 and cap["step_p99_ms"][0]["1"] > 0
+        assert cap["calibration_s"] < 10
+        assert metric(srv, "tim_capacity_calibrated") == 1 and metric(srv, "tim_capacity_streams") == cap["streams"]
+    finally:
+        srv.stop()
+
+
+def test_settings_validate_capacity_and_lateness():
+    with pytest.raises(ValueError, match="capacity"):
+        Settings.build(capacity=0)
+    with pytest.raises(ValueError, match="capacity_margin"):
+        Settings.build(capacity_margin=1.0)
+    with pytest.raises(ValueError, match="max_lateness_ms"):
+        Settings.build(lateness_budget_ms=100, max_lateness_ms=50)
+    assert Settings.build().capacity is None  # measured by default
+
+
+# ---------------------------------------------------------------------------------- lateness
+def test_lateness_notices_behind_then_on_time(enhancer_rt):
+    w = Worker(0, enhancer_rt, 4, Metrics(), settings=Settings.build(lateness_budget_ms=40, max_lateness_ms=200))
+    job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=16000)
+    st = _Stream(job, SimpleNamespace(channels=1, min_gain=0.0))
+    st.due = 10.0
+    w._lateness(st, 10.010)
+    assert st.events == []
+    w._lateness(st, 10.050)
+    w._lateness(st, 10.090)  # told once per episode
+    assert [e["type"] for e in st.events] == ["late"] and st.events[0]["budget_ms"] == 40.0
+    w._lateness(st, 10.030)  # under the budget but not yet under half of it
+    w._lateness(st, 10.010)
+    assert [e["type"] for e in st.events] == ["late", "on_time"]
+
+
+def test_due_time_ignores_clients_faster_than_real_time():
+    job = SimpleNamespace(source="stream", id=1)
+    st = _Stream(job, SimpleNamespace(channels=1, min_gain=0.0))
+    st.note_push(100, 5.0)  # 1.6 s of audio at once: hop h is due h hops after the first arrival
+    assert st.due_time(0, HOP_S) == 5.0 and st.due_time(50, HOP_S) == pytest.approx(5.8)
+    st.note_push(1, 20.0)  # after a pause: due when it arrived
+    assert st.due_time(100, HOP_S) == 20.0
+
+
+@pytest.fixture
+def live_slow(model_path):
+    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=4, lateness_budget_ms=40.0,
+                                                            max_lateness_ms=120.0)))
+    yield srv
+    srv.stop()
+
+
+def test_slow_step_stream_is_told_and_skips_its_backlog_with_the_gap_marked(live_slow, enhancer_rt, monkeypatch):
+    """Every step takes 40 ms (2.5 hops) while the client streams at real-time pace: the stream
+    falls behind, is told ("late"), and instead of falling further behind skips its backlog
+    ("gap": the output samples that are zeros / not its enhanced input). The output keeps its
+    length and alignment, audio before the first gap equals offline enhancement, the gap's
+    skipped part is silence, and the server keeps serving at full speed afterwards."""
+    srv = live_slow
+    pool = srv.scheduler.workers[0].pool
+    real_step = pool.step
+
+    def slow_step(*a, **kw):
+        time.sleep(0.040)
+        return real_step(*a, **kw)
+
+    sr, seconds, chunk = 16000, 2.0, 320
+    x = speechlike(int(seconds * sr), sr, seed=21)[:, None]
+    skipped0 = metric(srv, "tim_skipped_hops_total")
+
+    async def client():
+        out, texts = [], []
+        async with aconnect(srv.ws_url, max_size=None) as ws:
+            await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
+            assert json.loads(await ws.recv())["type"] == "ready"
+
+            async def reader():
+                async for m in ws:
+                    if isinstance(m, bytes):
+                        out.append(from_bytes(m, "f32le", 1))
+                    else:
+                        texts.append(json.loads(m))
+
+            task = asyncio.create_task(reader())
+            t0 = time.perf_counter()
+            for k, i in enumerate(range(0, len(x), chunk)):
+                await ws.send(to_bytes(x[i:i + chunk], "f32le"))
+                await asyncio.sleep(max(t0 + (k + 1) * chunk / sr - time.perf_counter(), 0))
+            await ws.send(json.dumps({"type": "end"}))
+            await task
+            return np.concatenate(out), texts, ws.close_code
+
+    monkeypatch.setattr(pool, "step", slow_step)
+    y, texts, code = asyncio.run(client())
+    monkeypatch.undo()
+    assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}
+    assert y.shape == x.shape  # sample alignment kept through the skips
+    late = [t for t in texts if t["type"] == "late"]
+    gaps = [t for t in texts if t["type"] == "gap"]
+    assert late and late[0]["lateness_ms"] > 40 and late[0]["budget_ms"] == 40.0, texts
+    assert gaps, texts
+    for g in gaps:
+        assert g["samples"] > 0 and g["skipped_ms"] >= 16 and g["lateness_ms"] >= 120, g  # over the 120 ms threshold, rounded to 0.1 ms
+        zeros = int(round(g["skipped_ms"] * sr / 1000))
+        seg = y[g["start_sample"]:g["start_sample"] + zeros, 0]
+        assert len(seg) == min(zeros, len(y) - g["start_sample"]) and not seg.any(), g  # skipped hops: silence
+    ref = enhancer_rt.enhance(x[:, 0], sr)
+    first = gaps[0]["start_sample"]
+    np.testing.assert_allclose(y[:first, 0], ref[:first], rtol=0, atol=1e-5)  # exact before the first gap
+    skipped = metric(srv, "tim_skipped_hops_total") - skipped0
+    assert skipped == round(sum(g["skipped_ms"] for g in gaps) / 16)
+    assert metric(srv, "tim_streams_behind_total") >= 1 and metric(srv, "tim_gaps_total") == len(gaps)
+    srv.wait_idle()
+    y2, texts2, code2 = asyncio.run(_stream_at_once(srv.ws_url, x[:8000], sr))  # the server keeps serving
+    assert code2 == 1000 and y2.shape == (8000, 1) and texts2[-1] == {"type": "end", "samples": 8000}
+
+
+async def _stream_at_once(url, x, sr):
+    out, texts = [], []
+    async with aconnect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
+        assert json.loads(await ws.recv())["type"] == "ready"
+        await ws.send(to_bytes(x, "f32le"))
+        await ws.send(json.dumps({"type": "end"}))
+        async for m in ws:
+            if isinstance(m, bytes):
+                out.append(from_bytes(m, "f32le", 1))
+            else:
+                texts.append(json.loads(m))
+        return np.concatenate(out), texts, ws.close_code
