@@ -206,13 +206,16 @@ def expect_close(url: str, messages, code: int, kind: str | None = None, words: 
         try:
             for m in messages:
                 ws.send(m)
-            while True:
+        except ConnectionClosed:  # the server may answer and close before a big message is all sent
+            pass
+        try:
+            while True:  # what arrived before the close frame is still read
                 m = ws.recv(timeout=10)
                 if isinstance(m, str):
                     texts.append(json.loads(m))
         except ConnectionClosed:
             pass
-        assert ws.close_code == code, (ws.close_code, texts)
+        assert ws.close_code == code, (ws.close_code, ws.close_reason, texts)
     errors = [t for t in texts if t["type"] == "error"]
     if kind is not None:
         assert errors and errors[-1]["kind"] == kind and errors[-1]["code"] == code, texts
@@ -257,6 +260,31 @@ def test_second_start_message(live):
 def test_message_too_big(live):
     big = bytes(live.settings.max_message_bytes + 2)
     expect_close(live.ws_url, [big], 1009, "too_large", "limit")
+
+
+@pytest.fixture(scope="module")
+def live_1mib(model_path):
+    """A server with the default message limit (1 MiB)."""
+    from server.settings import Settings
+
+    from .conftest import TEST_LIMITS, LiveServer
+
+    srv = LiveServer(model=model_path, **{k: v for k, v in TEST_LIMITS.items() if k != "max_message_bytes"})
+    assert srv.settings.max_message_bytes == Settings().max_message_bytes == 1 << 20
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("mib", [1.02, 1.07, 1.5, 8.0])
+@pytest.mark.parametrize("kind", ["bytes", "text"])
+def test_every_oversized_message_gets_the_json_error_and_1009(live_1mib, mib, kind):
+    """Just over the limit (seen by the handler) and far over it (refused by the protocol layer from
+    the frame's header): the same answer, the JSON error and close 1009, never a bare close."""
+    n = int(mib * (1 << 20))
+    big = bytes(n) if kind == "bytes" else " " * n
+    expect_close(live_1mib.ws_url, [big], 1009, "too_large", f"over the limit of {1 << 20} bytes")
+    expect_close(live_1mib.ws_url, [big], 1009, "too_large", f"{n} bytes")
+    assert live_1mib.metrics.errors.labels(kind="too_large")._value.get() > 0
 
 
 def flood(url: str, n: int):
