@@ -41,8 +41,13 @@ def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: in
     return np.array(times[warmup:]) * 1000.0
 
 
-def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0) -> dict:
+def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0, progress: bool = False) -> dict:
+    """The measurements (see the module docstring). `progress`: a bar on stderr, one tick per stage."""
+    from tqdm import tqdm
+
     cfg = enh.config
+    bar = tqdm(total=len(batches) + len(PACED_BATCHES) + 1, desc="bench", unit="stage", disable=not progress,
+               file=sys.stderr)
     hop_ms = 1000.0 * cfg.stft.hop / cfg.stft.sample_rate
     res = {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
@@ -51,7 +56,9 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
         "step": [],
     }
     for b in batches:
+        bar.set_postfix_str(f"{b} stream(s) back to back")
         ms = time_steps(enh, b, steps if b <= 16 else max(60, steps // 4))
+        bar.update()
         res["step"].append({
             "batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
             "per_stream_p50_ms": float(np.percentile(ms, 50) / b),
@@ -59,16 +66,21 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
         })
     res["paced"] = []
     for b in PACED_BATCHES:
+        bar.set_postfix_str(f"{b} stream(s) paced")
         ms = time_steps(enh, b, max(60, steps // 2), pace_s=hop_ms / 1000.0)
+        bar.update()
         res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))})
     ok = [s["batch"] for s in res["step"] if s["realtime"]]
     res["streams_per_core"] = max(ok) if ok else 0
     best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
     res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
     x = (np.random.default_rng(1).standard_normal(int(seconds * 16000)) * 0.05).astype(np.float32)
+    bar.set_postfix_str(f"offline enhance of {seconds:g} s")
     t0 = time.perf_counter()
     enh.enhance(x, 16000)
     res["offline_rtf"] = (time.perf_counter() - t0) / seconds
+    bar.update()
+    bar.close()
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return res
 
@@ -97,7 +109,10 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(enh: Enhancer, as_json: bool = False, steps: int = 300) -> int:
-    res = run(enh, steps=steps)
+def main(enh: Enhancer, as_json: bool = False, steps: int = 300, progress: bool = True) -> int:
+    if progress:
+        print(f"timing the step graph of {enh.engine.path} on this machine ({enh.provider}, one thread)",
+              file=sys.stderr, flush=True)
+    res = run(enh, steps=steps, progress=progress)
     sys.stdout.write(json.dumps(res, indent=2) + "\n" if as_json else format_table(res) + "\n")
     return 0
