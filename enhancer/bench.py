@@ -10,6 +10,7 @@ measured batch whose p99 step time fits in one hop); and the peak resident memor
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -20,6 +21,16 @@ from .runtime import Enhancer, LanePool
 
 BATCHES = (1, 4, 16, 32, 64)
 PACED_BATCHES = (1, 16)
+# Share of the measured real-time capacity to plan for: the soaks (server/README.md) lost messages
+# to machine stalls already at two thirds of it on a shared VM, so this is an upper bound to verify.
+HEADROOM = 2 / 3
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: int = 0, pace_s: float = 0.0) -> np.ndarray:
@@ -74,6 +85,10 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0,
     res["streams_per_core"] = max(ok) if ok else 0
     best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
     res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
+    cores = usable_cores()
+    res["cores"] = cores
+    res["suggested_workers"] = cores
+    res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * cores)
     x = (np.random.default_rng(1).standard_normal(int(seconds * 16000)) * 0.05).astype(np.float32)
     bar.set_postfix_str(f"offline enhance of {seconds:g} s")
     t0 = time.perf_counter()
@@ -103,6 +118,9 @@ def format_table(res: dict) -> str:
         "",
         f"streams per core {res['streams_per_core']} (largest measured batch in real time); "
         f"{res['streams_per_core_throughput']:.1f} by best per-stream throughput",
+        f"capacity         {res['cores']} core(s) here: try `enhancer serve --workers {res['suggested_workers']} "
+        f"--max-streams {res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']} x {res['cores']}), "
+        "then confirm with a soak (server/README.md)",
         f"offline enhance  real-time factor {res['offline_rtf']:.3f} (1 thread)",
         f"peak memory      {res['peak_rss_mb']:.0f} MB RSS",
     ]

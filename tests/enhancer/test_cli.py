@@ -97,7 +97,9 @@ def test_fp16_export_is_exact_and_half_the_size(tmp_path, torch_model, capsys):
 
 def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
     assert main(["bench", "--model", str(model_path), "--steps", "8", "--json"]) == 0
-    res = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    res = json.loads(captured.out)
+    assert "timing the step graph" in captured.err  # it says what it is doing (stderr; stdout stays JSON)
     assert [s["batch"] for s in res["step"]] == [1, 4, 16, 32, 64]
     assert [s["batch"] for s in res["paced"]] == [1, 16]
     for s in res["step"] + res["paced"]:
@@ -106,6 +108,11 @@ def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
         assert s["per_stream_p50_ms"] == pytest.approx(s["p50_ms"] / s["batch"])
     assert res["algorithmic_latency_ms"] == 64 and res["provider"] == "CPUExecutionProvider"
     assert res["offline_rtf"] > 0 and res["peak_rss_mb"] > 0
+    # the capacity advice follows the measurement on this machine
+    real = [s["batch"] for s in res["step"] if s["realtime"]]
+    assert res["streams_per_core"] == (max(real) if real else 0)
+    assert res["suggested_workers"] == res["cores"] >= 1
+    assert res["suggested_max_streams"] == int(2 / 3 * res["streams_per_core"] * res["cores"])
 
 
 def test_export_check_runs_lanes_at_different_positions_and_sees_a_mismatch(torch_model, model_path):
