@@ -29,13 +29,15 @@ WORKDIR /app
 COPY pyproject.toml README.md* ./
 COPY enhancer ./enhancer
 COPY server ./server
+# the package installs the shipped model (models/ -> enhancer/models/) and declares training/ (no torch is installed)
+COPY models ./models
+COPY training ./training
 # onnxruntime (DEVICE=cpu) or onnxruntime-gpu (DEVICE=gpu): pyproject's extras pin every version
 # hadolint ignore=DL3013
 RUN python3 -m venv /opt/venv \
     && pip install --no-cache-dir "numpy==2.4.6" \
     && pip install --no-cache-dir ".[${DEVICE},serve]" \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin enhancer
-COPY models ./models
 
 USER 10001
 EXPOSE 8000

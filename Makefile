@@ -10,6 +10,7 @@ PORT   ?= 8000
 .PHONY: serve test bench bench-peers install clean browser
 
 $(STAMP): pyproject.toml
+	@echo "installing tim-enhancer and its dependencies into $(VENV) (editable, extras cpu,serve,train,dev)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q numpy==2.4.6
@@ -25,10 +26,13 @@ serve: $(STAMP)
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
-# The browser demo's test needs Chromium: install Debian's package when missing and we are root.
+# The browser demo's test needs Chromium: install Debian's package when missing and we are root
+# (system-wide, with apt-get: it says so first). NO_BROWSER_INSTALL=1 skips it (the test is then skipped).
 browser:
-	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	@command -v chromium >/dev/null 2>&1 || { [ -z "$(NO_BROWSER_INSTALL)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		echo "make test: installing Debian's chromium system-wide with apt-get (for the browser demo test; NO_BROWSER_INSTALL=1 skips this)" && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null && \
+		echo "make test: chromium installed at $$(command -v chromium)"; } || \
 		echo "chromium is not installed: the browser demo test will not run"
 
 bench: $(STAMP)

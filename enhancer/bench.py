@@ -12,6 +12,7 @@ batch whose p99 step time fits in one hop); and the peak resident memory.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -23,6 +24,16 @@ from .runtime import OFFLINE_FRAMES, Enhancer, LanePool
 BATCHES = (1, 4, 16, 32, 64)
 PACED_BATCHES = (1, 16)
 OFFLINE_SWEEP = (1, 16, 32, 64, 128, 256)  # frames per call of the offline runs
+# Share of the measured real-time capacity to plan for: the soaks (server/README.md) lost messages
+# to machine stalls already at two thirds of it on a shared VM, so this is an upper bound to verify.
+HEADROOM = 2 / 3
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: int = 0, pace_s: float = 0.0) -> np.ndarray:
@@ -56,8 +67,13 @@ def time_offline(enh: Enhancer, x: np.ndarray, frames: int) -> tuple[float, floa
     return (time.perf_counter() - t0) / seconds, (time.process_time() - c0) / seconds
 
 
-def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0) -> dict:
+def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0, progress: bool = False) -> dict:
+    """The measurements (see the module docstring). `progress`: a bar on stderr, one tick per stage."""
+    from tqdm import tqdm
+
     cfg = enh.config
+    bar = tqdm(total=len(batches) + len(PACED_BATCHES) + 1, desc="bench", unit="stage", disable=not progress,
+               file=sys.stderr)
     hop_ms = 1000.0 * cfg.stft.hop / cfg.stft.sample_rate
     res = {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
@@ -66,7 +82,9 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
         "step": [],
     }
     for b in batches:
+        bar.set_postfix_str(f"{b} stream(s) back to back")
         ms = time_steps(enh, b, steps if b <= 16 else max(60, steps // 4))
+        bar.update()
         res["step"].append({
             "batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
             "per_stream_p50_ms": float(np.percentile(ms, 50) / b),
@@ -74,13 +92,20 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
         })
     res["paced"] = []
     for b in PACED_BATCHES:
+        bar.set_postfix_str(f"{b} stream(s) paced")
         ms = time_steps(enh, b, max(60, steps // 2), pace_s=hop_ms / 1000.0)
+        bar.update()
         res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))})
     ok = [s["batch"] for s in res["step"] if s["realtime"]]
     res["streams_per_core"] = max(ok) if ok else 0
     best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
     res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
+    cores = usable_cores()
+    res["cores"] = cores
+    res["suggested_workers"] = cores
+    res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * cores)
     x = (np.random.default_rng(1).standard_normal(int(seconds * 16000)) * 0.05).astype(np.float32)
+    bar.set_postfix_str(f"offline enhance of {seconds:g} s, then T = {', '.join(map(str, OFFLINE_SWEEP))}")
     enh.enhance(x[:16000], 16000)  # warm up the multi-frame shapes
     t0, c0 = time.perf_counter(), time.process_time()
     enh.enhance(x, 16000)
@@ -92,6 +117,8 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0)
         wall, cpu = time_offline(enh, x[: int(min(seconds, 4.0 if t == 1 else seconds) * 16000)], t)
         res["offline"].append({"frames": t, "rtf": wall, "rtf_cpu": cpu})
     res["offline_best_frames"] = min(res["offline"], key=lambda r: r["rtf_cpu"])["frames"]
+    bar.update()
+    bar.close()
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return res
 
@@ -114,6 +141,9 @@ def format_table(res: dict) -> str:
         "",
         f"streams per core {res['streams_per_core']} (largest measured batch in real time); "
         f"{res['streams_per_core_throughput']:.1f} by best per-stream throughput",
+        f"capacity         {res['cores']} core(s) here: try `enhancer serve --workers {res['suggested_workers']} "
+        f"--max-streams {res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']} x {res['cores']}), "
+        "then confirm with a soak (server/README.md)",
         f"offline enhance  real-time factor {res['offline_rtf']:.3f} wall, {res['offline_rtf_cpu']:.3f} CPU "
         f"(1 thread, {res['offline_frames']} frames per call)",
         "offline by T     " + "; ".join(f"T={r['frames']}: {r['rtf']:.3f} / {r['rtf_cpu']:.3f}" for r in res["offline"])
@@ -123,7 +153,10 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(enh: Enhancer, as_json: bool = False, steps: int = 300) -> int:
-    res = run(enh, steps=steps)
+def main(enh: Enhancer, as_json: bool = False, steps: int = 300, progress: bool = True) -> int:
+    if progress:
+        print(f"timing the step graph of {enh.engine.path} on this machine ({enh.provider}, one thread)",
+              file=sys.stderr, flush=True)
+    res = run(enh, steps=steps, progress=progress)
     sys.stdout.write(json.dumps(res, indent=2) + "\n" if as_json else format_table(res) + "\n")
     return 0

@@ -27,7 +27,8 @@ from .errors import AudioError, CheckpointError
 from .layout import STEP_FORMAT, input_names, output_names, ring_specs, state_specs, write_rings
 from .signal import StreamResampler, check_audio, check_rate
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+PACKAGE_MODELS_DIR = Path(__file__).resolve().parent / "models"  # an installed wheel: enhancer/models/
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # a source checkout: models/ beside enhancer/
 DEFAULT_MODEL = "tim.onnx"
 MODEL_ENV = "TIM_ENHANCER_MODEL"
 # Frames (16 ms hops) per call when audio is already there: `enhancer bench` measures the offline
@@ -37,9 +38,15 @@ OFFLINE_FRAMES = 128
 
 
 def default_model_path() -> Path:
-    """$TIM_ENHANCER_MODEL, else models/tim.onnx beside the package."""
+    """$TIM_ENHANCER_MODEL, else the shipped model: enhancer/models/tim.onnx in an installed
+    package (the wheel carries it there), else models/tim.onnx of the source checkout the package
+    runs from (editable install, or the repository on the path). When none exists, the last
+    candidate looked at (for the error message)."""
     env = os.environ.get(MODEL_ENV)
-    return Path(env) if env else MODELS_DIR / DEFAULT_MODEL
+    if env:
+        return Path(env)
+    candidates = [PACKAGE_MODELS_DIR / DEFAULT_MODEL, MODELS_DIR / DEFAULT_MODEL]
+    return next((p for p in candidates if p.is_file()), candidates[-1])
 
 
 def min_gain_for(atten_lim_db: float | None) -> float:
@@ -396,7 +403,8 @@ class Enhancer:
         one is really used."""
         p = Path(path) if path is not None else default_model_path()
         if path is None and not p.is_file():
-            raise CheckpointError(f"no shipped model at {p}; pass a path or set ${MODEL_ENV}")
+            where = p if os.environ.get(MODEL_ENV) else f"{PACKAGE_MODELS_DIR / DEFAULT_MODEL} or {p}"
+            raise CheckpointError(f"no shipped model at {where}; pass a path or set ${MODEL_ENV}")
         return cls(Engine(p, providers, threads))
 
     @property

@@ -56,3 +56,10 @@ class ServiceError(Exception):
 
     def ws_message(self) -> dict:
         return {"type": "error", "kind": self.kind, "message": self.message, "code": self.close_code} | self._extra()
+
+
+def too_large(size: int, limit: int, at_least: bool = False) -> ServiceError:
+    """The one answer to a websocket message over `max_message_bytes`, whoever sees it first: the
+    handler (a whole message) or the protocol layer (a frame header, or fragments adding up)."""
+    return ServiceError("too_large", f"a message of {'at least ' if at_least else ''}{size} bytes is over the limit of "
+                                     f"{limit} bytes; send smaller chunks")

@@ -24,14 +24,18 @@ class StartupError(EnhancerError, RuntimeError):
 
 
 def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> uvicorn.Config:
-    """uvicorn settings that match the service's limits. Websocket messages are checked by the
-    handler (JSON error, then 1009); uvicorn's own frame cap sits a little above the limit and
-    refuses bigger frames from their header, before their payload is read."""
+    """uvicorn settings that match the service's limits. A websocket message over
+    `max_message_bytes` always gets the documented answer (JSON error `too_large`, then close
+    1009): up to the protocol's frame cap (the limit + 64 KiB) the handler checks the whole message;
+    a bigger frame is refused from its header, before its payload is read, by the protocol layer
+    with the same answer (`protocols.OversizeAnswer`). A connection buffers at most one message of
+    about the limit."""
     from .logs import log_config
     from .protocols import protocol_classes
 
     metrics = getattr(getattr(app, "state", None), "metrics", None)
     on_stall = metrics.stalled.inc if metrics is not None else None
+    on_too_large = metrics.errors.labels(kind="too_large").inc if metrics is not None else None
     # per-message deflate is off: PCM barely compresses, and it cost ~10 % of the CPU of 32 streams.
     # Keepalive pings without a pong deadline: while a stream is held back (its audio waits for
     # inference), uvicorn stops reading its socket and cannot see pongs, so a deadline closed busy
@@ -40,7 +44,7 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
     options = dict(host=host, port=port, ws_max_size=settings.max_message_bytes + 65536, ws_ping_timeout=None,
                    log_level="info", ws_per_message_deflate=False, log_config=log_config(),
                    timeout_graceful_shutdown=settings.drain_timeout_s, proxy_headers=False, server_header=False,
-                   **protocol_classes(settings.idle_timeout_s, on_stall))
+                   **protocol_classes(settings.idle_timeout_s, on_stall, settings.max_message_bytes, on_too_large))
     return uvicorn.Config(app, **(options | kwargs))
 
 

@@ -118,11 +118,12 @@ def cycles(host: str, port: int, n: int, pid: int, parallel: int = 8) -> dict:
 
 # ---------------------------------------------------------------------------------- figures
 def windows(clients, t0: float, seconds: float, width: float, budget_ms: float) -> list[dict]:
-    """Per window of `width` s: messages, late messages, latency p50/p99."""
+    """Per window of `width` s: messages, late messages, latency p50/p99. The windows run to the last
+    arrival (past `seconds` when a loaded machine delivers the tails late), so they add up to the totals."""
     t = np.concatenate([np.asarray(c.arrivals) for c in clients]) - t0 if clients else np.zeros(0)
     lat = np.concatenate([np.asarray(c.latencies) for c in clients]) * 1000 if clients else np.zeros(0)
+    end = max(seconds, float(t.max()) if t.size else 0.0)
     out = []
-    end = max(seconds, float(t.max()) if t.size else 0.0)  # a slow run's last messages still count in a window
     for start in np.arange(0, end + width / 2, width):
         m = (t >= start) & (t < start + width)
         w = lat[m]

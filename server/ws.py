@@ -33,7 +33,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from .audio_io import ENCODINGS, decode_pcm, encode_pcm
 from .aio import timeout as _timeout
-from .errors import ServiceError
+from .errors import ServiceError, too_large
 from .scheduler import Delivery, Job
 
 log = logging.getLogger("tim_enhancer.server")
@@ -176,8 +176,7 @@ class StreamSession:
         if data is None:
             data = (message.get("text") or "").encode()
         if len(data) > self.settings.max_message_bytes:
-            raise ServiceError("too_large", f"a message of {len(data)} bytes is over the limit of "
-                               f"{self.settings.max_message_bytes} bytes; send smaller chunks")
+            raise too_large(len(data), self.settings.max_message_bytes)
         self._count_message()
         return message
 

@@ -24,11 +24,13 @@ def torch_model():
 
 @pytest.fixture(scope="session")
 def model_path(torch_model, tmp_path_factory):
-    """`torch_model` exported to ONNX (the step graph the runtime and server load)."""
-    from enhancer.export import export_step
+    """`torch_model` exported to ONNX (the step graph the runtime and server load), checked:
+    onnx.checker, then onnxruntime against torch step by step with lanes at different positions."""
+    from enhancer.export import MAX_REL_DIFF, export_step
 
     path = tmp_path_factory.mktemp("model") / "tim-test.onnx"
-    export_step(torch_model, path, check=False)
+    report = export_step(torch_model, path, check=True)
+    assert report["max_rel_diff"] <= MAX_REL_DIFF, report
     return path
 
 

@@ -43,6 +43,8 @@ def load_audio(path, sample_rate: int = SAMPLE_RATE, quality: str = "HQ") -> np.
     import soundfile as sf
     import soxr
 
+    if not Path(path).is_file():
+        raise AudioReadError(f"file not found: {path}")
     try:
         x, sr = sf.read(str(path), dtype="float32", always_2d=True)  # (n, channels)
     except Exception as e:  # noqa: BLE001 - libsndfile raises several types for bad files
@@ -126,7 +128,7 @@ def cached_audio(items: list[Item], name: str, cache_root=None, jobs: int | None
     if s.skipped:
         log(f"{name}: skipped {len(s.skipped)} unreadable file(s) of {len(items)}:")
         for bad in s.skipped[:20]:
-            log(f"  {bad['path']}: {bad['error']}")
+            log(f"  {bad['error']}" if bad["path"] in bad["error"] else f"  {bad['path']}: {bad['error']}")
         if len(s.skipped) > 20:
             log(f"  ... and {len(s.skipped) - 20} more (see {folder / 'index.json'})")
     if not len(s):

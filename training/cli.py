@@ -1,6 +1,7 @@
 """`enhancer-train`: fit, eval and plot. Also runs as `python -m training.cli` (and under torchrun).
 
     enhancer-train fit  --preset tim --data ../enhancer-data --out runs/tim
+    enhancer-train synth-noise --out runs/noise     # generated noise + manifest (quickstart, training/README.md)
     torchrun --nproc_per_node=2 -m training.cli fit --preset tim --data ../enhancer-data --out runs/tim
     enhancer-train eval --model runs/tim/checkpoints/best.pt --noisy DIR --clean DIR --out report/
     enhancer-train plot --model MODEL --noisy FILE --clean FILE --out fig.png
@@ -26,6 +27,7 @@ from .manifests import DataError
 from .devset import add_devset
 from .peers import add_bench_peers
 from .plots import add_plot
+from .synth_noise import add_synth_noise
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -213,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_devset(sub)
     add_bench_peers(sub)
     add_ablation(sub)
+    add_synth_noise(sub)
     return parser
 
 

@@ -129,9 +129,12 @@ def read16k(path) -> np.ndarray:
 
 
 def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=None, jobs: int = 1,
-             write_audio: bool = True, seed: int = 0, log=None) -> dict:
-    """Enhance and score every pair; write the reports to `out`; return the summary."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+             write_audio: bool = True, seed: int = 0, log=None, progress: bool = True) -> dict:
+    """Enhance and score every pair; write the reports to `out`; return the summary. Says what it
+    scores and shows a progress bar on stderr (`progress=False`: neither)."""
+    from tqdm import tqdm
+
+    log = log or ((lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None))
     if not pairs:
         raise DataError("nothing to evaluate: no file pairs")
     out = Path(out)
@@ -146,7 +149,11 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
     pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(dnsmos_dir,)) if jobs > 1 else None
     if pool is None:
         _init_worker(dnsmos_dir)
+    metrics_named = (["PESQ-WB", "STOI", "ESTOI", "SI-SDR"] if has_clean else []) + (["DNSMOS"] if dnsmos_dir else [])
+    log(f"evaluating {model} on {len(pairs)} file(s){' (streaming)' if streaming else ''}: enhancing, then scoring "
+        f"noisy and enhanced with {', '.join(metrics_named)}{f' in {jobs} processes' if jobs > 1 else ''}")
     rows, futures, seconds = {}, [], {}
+    bar = tqdm(total=len(pairs), desc="enhance + score" if pool is None else "enhance", unit="file", disable=not progress)
     try:
         for i, pair in enumerate(pairs):
             noisy = read16k(pair.noisy)
@@ -165,12 +172,13 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
                 rows[name] = row
             else:
                 futures.append(pool.submit(_score_job, job))
-            if (i + 1) % 20 == 0 or i + 1 == len(pairs):
-                log(f"enhanced {i + 1}/{len(pairs)} files")
-        for f in futures:
+            bar.update()
+        bar.close()
+        for f in tqdm(futures, desc="score", unit="file", disable=not progress or not futures):
             name, row = f.result()
             rows[name] = row
     finally:
+        bar.close()
         if pool is not None:
             pool.shutdown()
     return write_reports(out, pairs, rows, seconds, model, streaming)

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .manifests import DataError, Item, read_manifest
+from .manifests import DataError, Item, manifest_splits, read_manifest
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".aiff", ".aif")
 CATEGORIES = ("speech", "noise", "music")
@@ -57,8 +57,14 @@ def corpus_layout(root, hold_out: bool = True) -> TrainingData:
         raise DataError(f"data folder not found: {root}")
     mdir = root / "manifests"
     if not mdir.is_dir():
+        hint = ""
+        if (root / "debian" / "materialize.sh").is_file() or (root / "speech" / "files.tsv").is_file():
+            hint = (f" {root} is the shipped part of the data (speech only, no noise): the full corpus with manifests "
+                    f"is built by {root / 'debian' / 'materialize.sh'} (several GB downloaded from Debian, minutes). "
+                    f"To train now from what is here, see the quickstart in training/README.md: "
+                    f"--speech {root / 'speech' / 'files.tsv'} with generated noise (enhancer-train synth-noise)")
         raise DataError(f"{root} has no manifests/ folder; expected manifests/{{speech,noise,music}}_{{train,valid}}.tsv "
-                        "(build the corpus with ../shared/data/debian/materialize.sh)")
+                        "(build the corpus with ../shared/data/debian/materialize.sh)." + hint)
     data = TrainingData(description=f"corpus {root}")
     for split in ("train", "valid"):
         lists = data.train if split == "train" else data.valid
@@ -77,8 +83,9 @@ def corpus_layout(root, hold_out: bool = True) -> TrainingData:
 
 
 def manifest_layout(speech: str, noise: str, music: str | None = None) -> TrainingData:
-    """Each argument is `TRAIN_MANIFEST[,VALID_MANIFEST]`; without a valid manifest, about 5 % of
-    the groups (speech) or files (noise, music) are held out by hash."""
+    """Each argument is `TRAIN_MANIFEST[,VALID_MANIFEST]`; without a valid manifest, the rows of a
+    `split` column (`train` / `valid`, as in `files.tsv`) are used when it has both, else about
+    5 % of the groups (speech) or files (noise, music) are held out by hash."""
     data = TrainingData(description=f"manifests speech={speech} noise={noise} music={music}")
     for cat, spec in (("speech", speech), ("noise", noise), ("music", music)):
         if not spec:
@@ -86,10 +93,12 @@ def manifest_layout(speech: str, noise: str, music: str | None = None) -> Traini
         parts = spec.split(",")
         if len(parts) > 2:
             raise DataError(f"--{cat} takes TRAIN[,VALID] manifests, got {spec!r}")
-        train = read_manifest(parts[0])
         if len(parts) == 2:
-            valid = read_manifest(parts[1])
+            train, valid = read_manifest(parts[0]), read_manifest(parts[1])
+        elif {"train", "valid"} <= manifest_splits(parts[0]):
+            train, valid = read_manifest(parts[0], split="train"), read_manifest(parts[0], split="valid")
         else:
+            train = read_manifest(parts[0])
             train, valid = split_by_hash(train, by_group=(cat == "speech"))
         data.train[cat], data.valid[cat] = train, valid
     return data.check()

@@ -7,7 +7,12 @@ Two formats, one row per file:
 * JSONL, one object per line with the same keys.
 
 Relative paths are resolved against `root`: by default the manifest's folder, or its parent when
-the folder is called `manifests` (the corpus layout keeps paths relative to the corpus root).
+the folder is called `manifests` (the corpus layout keeps paths relative to the corpus root), or
+else the nearest folder above the manifest under which the listed files exist (e.g.
+`../shared/data/speech/files.tsv` lists `speech/librispeech/...`, relative to `../shared/data`).
+
+An optional `split` column (`train` / `valid`, as in `files.tsv`) is kept in `Item`-less form by
+`read_manifest(path, split=...)`, which returns the rows of that split only.
 """
 from __future__ import annotations
 
@@ -37,20 +42,42 @@ class Item:
         return self.group.split()[0] if self.group.strip() else ""
 
 
-def default_root(manifest: Path) -> Path:
+def default_root(manifest: Path, rel_paths=()) -> Path:
+    """The folder the manifest's relative paths start from: `manifests/`'s parent; else the
+    manifest's folder or the nearest folder above it (up to 3 levels) in which the first few listed
+    files exist; else the manifest's folder (missing files are then reported one by one)."""
     folder = manifest.resolve().parent
-    return folder.parent if folder.name == "manifests" else folder
+    if folder.name == "manifests":
+        return folder.parent
+    sample = [p for p in rel_paths if p and not Path(p).is_absolute()][:5]
+    if sample:
+        for candidate in [folder, *list(folder.parents)[:3]]:
+            if all((candidate / p).is_file() for p in sample):
+                return candidate
+    return folder
 
 
-def read_manifest(path, root=None) -> list[Item]:
-    """Read a TSV or JSONL manifest. Raises `DataError` if it is missing, malformed or empty."""
+def manifest_splits(path) -> set[str]:
+    """The values of the manifest's `split` column (empty when it has none)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"manifest not found: {path}")
-    root = Path(root) if root is not None else default_root(path)
+    rows = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_tsv(path)
+    return {str(r["split"]).strip() for _, r in rows if r.get("split")}
+
+
+def read_manifest(path, root=None, split: str | None = None) -> list[Item]:
+    """Read a TSV or JSONL manifest (with `split`: only the rows whose `split` column is that).
+    Raises `DataError` if it is missing, malformed or empty."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"manifest not found: {path}")
+    rows = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_tsv(path)
+    if split is not None:
+        rows = [(n, r) for n, r in rows if str(r.get("split") or "").strip() == split]
+    root = Path(root) if root is not None else default_root(path, [str(r.get("path") or "") for _, r in rows])
     if not root.is_dir():
         raise DataError(f"manifest {path}: root folder {root} does not exist")
-    rows = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_tsv(path)
     items = []
     for lineno, row in rows:
         if not row.get("path"):
@@ -66,7 +93,7 @@ def read_manifest(path, root=None) -> list[Item]:
         except (TypeError, ValueError) as e:
             raise DataError(f"{path}:{lineno}: bad value ({e})") from None
     if not items:
-        raise DataError(f"manifest {path} lists no files")
+        raise DataError(f"manifest {path} lists no files" + (f" of split {split!r}" if split else ""))
     return items
 
 

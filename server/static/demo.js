@@ -68,14 +68,18 @@ function socketUrl() {
 
 function openSocket() {
   return new Promise((resolve, reject) => {
-    ws = new WebSocket(socketUrl());
-    ws.binaryType = "arraybuffer";
+    // Handlers belong to their own socket: after Stop the old one still delivers the enhanced tail
+    // and its close, which must not reach the playback or the status of a stream started since.
+    const sock = (ws = new WebSocket(socketUrl()));
+    sock.binaryType = "arraybuffer";
     const atten = $("atten").value;
-    ws.onopen = () => ws.send(JSON.stringify({
-      sample_rate: ctx.sampleRate, encoding: "f32le", channels: 1,
+    const sampleRate = ctx.sampleRate;
+    sock.onopen = () => sock.send(JSON.stringify({
+      sample_rate: sampleRate, encoding: "f32le", channels: 1,
       atten_lim_db: atten === "" ? null : Number(atten), metadata: true,
     }));
-    ws.onmessage = (e) => {
+    sock.onmessage = (e) => {
+      if (sock !== ws) return; // a stopped stream's tail: nobody listens to it any more
       if (typeof e.data !== "string") return onAudio(e.data);
       const msg = JSON.parse(e.data);
       if (msg.type === "ready") {
@@ -91,15 +95,17 @@ function openSocket() {
         reject(new Error(msg.message));
       }
     };
-    ws.onclose = (e) => {
+    sock.onclose = (e) => {
+      reject(new Error(`connection closed (${e.code})`)); // no effect once the stream was ready
+      if (sock !== ws) return;
+      ws = null;
       if (state.status === "streaming") setStatus(e.code === 1000 ? "stopped" : "closed", e.code === 1000 ? null : `connection closed (${e.code})`);
-      reject(new Error(`connection closed (${e.code})`));
     };
   });
 }
 
 function sendChunk(samples) {
-  if (!ws || ws.readyState !== WebSocket.OPEN) return;
+  if (!ws || ws.readyState !== WebSocket.OPEN || !playback) return;
   ws.send(samples.buffer);
   playback.port.postMessage({ kind: "original", samples });
   state.chunksSent += 1;
@@ -109,6 +115,7 @@ function onAudio(buffer) {
   const samples = new Float32Array(buffer);
   state.enhancedMessages += 1;
   state.enhancedSamples += samples.length;
+  if (!playback) return; // stopped: the tail of the stream arrives after playback has ended
   playback.port.postMessage({ kind: "enhanced", samples }, [samples.buffer]);
   if (state.enhancedMessages % 10 === 0) showResults();
 }
@@ -123,6 +130,8 @@ function onMetadata(frames) {
 
 function stop() {
   if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "end" }));
+  else if (ws && ws.readyState === WebSocket.CONNECTING) ws.close();
+  ws = null; // the stopped socket finishes on its own (tail, end, close); its messages are ignored
   if (mic) mic.getTracks().forEach((t) => t.stop());
   if (ctx) ctx.close();
   ctx = mic = capture = playback = null;

@@ -13,6 +13,7 @@ from enhancer.export import export_step
 from enhancer.quantize import MIN_PARITY_SNR_DB, quantize_int8
 from enhancer.runtime import Enhancer
 from tests.conftest import speechlike
+from tests.tolerance import assert_close_to_peak
 
 
 def snr_db(ref: np.ndarray, x: np.ndarray) -> float:
@@ -25,7 +26,7 @@ def int8_path(torch_model, tmp_path_factory):
     report = export_step(torch_model, path, int8_weights=True)
     assert report["weights"] == "int8"
     assert report["parity_snr_db"] >= MIN_PARITY_SNR_DB  # against torch, step by step, rings wrapping
-    assert 0 < report["max_abs_diff"] < 0.05
+    assert 0 < report["max_rel_diff"] < 0.1 and report["max_abs_diff"] > 0  # not exact, but close to torch
     return path
 
 

@@ -24,7 +24,10 @@ def chromium_path() -> str | None:
 
 
 class Chromium:
-    """One headless browser with a fake microphone playing `audio_file` and one page at `url`."""
+    """One headless browser with a fake microphone playing `audio_file` and one page at `url`.
+
+    Every uncaught page error, console error and failed resource load (e.g. a 404 favicon) from the
+    first request on is recorded: `errors()` lists them."""
 
     def __init__(self, url: str, audio_file: Path, width: int = 1100, height: int = 820):
         self.profile = tempfile.mkdtemp(prefix="tim-chromium-")
@@ -33,10 +36,14 @@ class Chromium:
                 "--disable-dev-shm-usage", f"--user-data-dir={self.profile}", "--remote-debugging-port=0",
                 "--remote-debugging-address=127.0.0.1", "--use-fake-ui-for-media-stream",
                 "--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={audio_file}",
-                "--autoplay-policy=no-user-gesture-required", f"--window-size={width},{height}", url]
+                "--autoplay-policy=no-user-gesture-required", f"--window-size={width},{height}", "about:blank"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        self.ws = connect(self._page_ws_url(url), max_size=None, open_timeout=20).__enter__()
+        self.ws = connect(self._page_ws_url("about:blank"), max_size=None, open_timeout=20).__enter__()
         self._ids = itertools.count(1)
+        self.events: list[dict] = []
+        for domain in ("Runtime", "Log", "Page"):  # before the page loads, so nothing is missed
+            self.call(f"{domain}.enable")
+        self.call("Page.navigate", url=url)
 
     def _page_ws_url(self, url: str, timeout: float = 30.0) -> str:
         port_file = Path(self.profile) / "DevToolsActivePort"
@@ -62,6 +69,8 @@ class Chromium:
         deadline = time.time() + timeout
         while True:
             msg = json.loads(self.ws.recv(timeout=max(deadline - time.time(), 0.01)))
+            if "method" in msg:
+                self.events.append(msg)
             if msg.get("id") == i:
                 if "error" in msg:
                     raise RuntimeError(f"{method}: {msg['error']}")
@@ -83,6 +92,32 @@ class Chromium:
                 return value
             time.sleep(interval)
         return value
+
+    def pump(self, seconds: float) -> None:
+        """Let the page run for `seconds`, recording its events."""
+        deadline = time.time() + seconds
+        while (left := deadline - time.time()) > 0:
+            try:
+                msg = json.loads(self.ws.recv(timeout=left))
+            except TimeoutError:
+                break
+            if "method" in msg:
+                self.events.append(msg)
+
+    def errors(self) -> list[str]:
+        """Uncaught exceptions, console.error/assert calls and error log entries (failed loads) so far."""
+        out = []
+        for e in self.events:
+            m, p = e["method"], e.get("params", {})
+            if m == "Runtime.exceptionThrown":
+                d = p.get("exceptionDetails", {})
+                out.append(f"uncaught: {d.get('exception', {}).get('description') or d.get('text')}")
+            elif m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
+                out.append(f"console.{p['type']}: " + " ".join(str(a.get("value", a.get("description"))) for a in p.get("args", [])))
+            elif m == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
+                entry = p["entry"]
+                out.append(f"log ({entry.get('source')}): {entry.get('text')} {entry.get('url', '')}".rstrip())
+        return out
 
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", format="png")["data"]

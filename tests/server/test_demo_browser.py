@@ -23,7 +23,13 @@ def browser_available():
         pytest.skip("chromium is not installed: apt-get install chromium")
 
 
-def test_demo_streams_microphone_and_plots_competition(live, browser_available, tmp_path):
+STREAMING = ("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > {n} "
+             "&& window.demoState.plottedFrames > 150 && window.demoState")
+
+
+def test_demo_start_stream_stop_start_again_without_a_page_error(live, browser_available, tmp_path):
+    """start -> stream -> stop (the enhanced tail still arrives) -> start again -> stop: the page
+    streams each time, and not one uncaught error, console error or failed load (favicon) occurs."""
     noisy = speechlike(48000 * 4, 48000, seed=21)
     noisy = noisy + 0.05 * np.random.default_rng(0).standard_normal(noisy.shape).astype(np.float32)
     wav = tmp_path / "noisy.wav"
@@ -34,10 +40,7 @@ def test_demo_streams_microphone_and_plots_competition(live, browser_available, 
     try:
         assert page.wait_for("document.readyState === 'complete' && !!window.demoState", 20)
         page.evaluate("document.getElementById('start').click()", user_gesture=True)
-        state = page.wait_for("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > 48000 "
-                              "&& window.demoState.plottedFrames > 150 && window.demoState", 40)
-        if not state:
-            state = page.evaluate("window.demoState")
+        state = page.wait_for(STREAMING.format(n=48000), 40) or page.evaluate("window.demoState")
         page.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")  # plot repainted
         page.screenshot(ARTIFACTS / "demo-browser.png")
         assert state["status"] == "streaming", state
@@ -56,7 +59,22 @@ def test_demo_streams_microphone_and_plots_competition(live, browser_available, 
         assert coloured > 0.1, f"only {coloured:.1%} of the plot area is coloured"
         page.evaluate("document.querySelector('input[value=original]').click()", user_gesture=True)
         assert page.evaluate("window.demoState.mode") == "original"
+
+        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'stopped'", 10), page.evaluate("window.demoState")
+        page.pump(2.0)  # the server sends the enhanced tail and closes after the stop
+        live.wait_idle()
+        first = page.evaluate("window.demoState.enhancedSamples")
+
+        page.evaluate("document.getElementById('start').click()", user_gesture=True)
+        again = page.wait_for(STREAMING.format(n=first + 48000), 40) or page.evaluate("window.demoState")
+        assert again["status"] == "streaming" and again["error"] is None, again
+        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'stopped'", 10)
+        page.pump(2.0)
+        assert page.evaluate("document.getElementById('start').disabled") is False
+        assert page.errors() == []
     finally:
         page.close()
-    assert live.metrics.frames.labels(source="stream")._value.get() - frames_before > 60
+    assert live.metrics.frames.labels(source="stream")._value.get() - frames_before > 120
     live.wait_idle()

@@ -25,6 +25,7 @@ from tests.conftest import speechlike
 
 from .conftest import TEST_LIMITS, LiveServer
 from .test_ws import from_bytes, stream_through, to_bytes
+from tests.tolerance import assert_close_to_peak
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +63,7 @@ def assert_serves(srv, enhancer_rt, seed: int = 5) -> None:
     x = speechlike(8000, 16000, seed=seed)[:, None]
     y, _, code = stream_through(srv.ws_url, x, 16000, "f32le", [3000, 5000])
     assert code == 1000
-    np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000), rtol=0, atol=1e-5)
+    assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000))
 
 
 # ---------------------------------------------------------------------------------- clients
@@ -180,7 +181,7 @@ def test_faster_than_real_time_sender(live_fault, enhancer_rt):
     assert 0 < peak["buffered"] <= cap, (peak, cap)
     for x, (y, gaps) in zip([fast_x] + paced, results):
         assert y.shape == x.shape
-        np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], sr), rtol=0, atol=1e-5)
+        assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], sr))
     srv.wait_idle()
 
 
@@ -386,7 +387,7 @@ def test_inference_failure_mid_batch_closes_only_the_affected_stream(live_fault,
     for x, (y, texts, code) in zip(signals[1:], others):
         assert code == 1000, (code, texts[-2:])
         assert texts[-1] == {"type": "end", "samples": len(x)}
-        np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], sr), rtol=0, atol=1e-5)
+        assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], sr))
     assert internal_errors(srv) - internal0 == 1
     monkeypatch.undo()
     srv.wait_idle()
@@ -410,7 +411,7 @@ def test_transient_step_failure_costs_no_stream(live_fault, enhancer_rt, monkeyp
     x = speechlike(16000, 16000, seed=44)[:, None]
     y, texts, code = stream_through(srv.ws_url, x, 16000, "f32le", [2000] * 8)
     assert calls["n"] > 5 and code == 1000, (calls, texts[-2:])
-    np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000), rtol=0, atol=1e-5)
+    assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000))
     monkeypatch.undo()
     srv.wait_idle()
 
@@ -501,7 +502,7 @@ def test_sigterm_drains_active_streams(model_path, enhancer_rt):
             assert code == 1012, (code, texts[-2:])
             assert texts[-1] == {"type": "end", "samples": len(x), "reason": "shutdown"}, texts[-2:]
             assert y.shape == x.shape
-            np.testing.assert_allclose(y[:, 0], enhancer_rt.enhance(x[:, 0], sr), rtol=0, atol=1e-5)
+            assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], sr))
         assert response.status_code == 200, response.text[:300]
         out, out_sr = sf.read(__import__("io").BytesIO(response.content), dtype="float32")
         assert out.shape == wav.shape and out_sr == sr

@@ -20,7 +20,7 @@ from websockets.sync.client import connect
 
 import server
 from server.auth import is_public
-from server.rawws import OP_BINARY, OP_CONT, RawClient
+from server.rawws import OP_BINARY, OP_CONT, OP_TEXT, RawClient
 from server.settings import Settings
 from tests.conftest import speechlike
 
@@ -219,7 +219,7 @@ def test_chunked_multipart_over_the_cap_is_cut_off_while_streaming(live_small):
 
 
 def test_websocket_frame_over_the_cap_is_refused_from_its_header(live_small):
-    """A frame announcing 1 GB: close 1009 without the payload ever being sent."""
+    """A frame announcing 1 GB: the JSON error and close 1009 without the payload ever being sent."""
     c = RawClient.connect("127.0.0.1", live_small.port, "/v1/stream")
     c.send_text('{"sample_rate": 16000}')
     c.recv_frame()
@@ -227,6 +227,14 @@ def test_websocket_frame_over_the_cap_is_refused_from_its_header(live_small):
     frames, code = c.recv_until_close()
     c.close()
     assert code == 1009, (code, frames)
+    assert_too_large_json(frames, 1 << 30, live_small.settings.max_message_bytes)
+
+
+def assert_too_large_json(frames, size: int, limit: int) -> None:
+    """The documented answer: one JSON error `too_large` (code 1009) naming the size and the limit."""
+    texts = [json.loads(p) for op, p in frames if op == OP_TEXT]
+    assert len(texts) == 1 and texts[0]["type"] == "error" and texts[0]["kind"] == "too_large", frames
+    assert texts[0]["code"] == 1009 and f"{size} bytes is over the limit of {limit} bytes" in texts[0]["message"], texts
 
 
 def test_fragmented_message_over_the_cap_is_refused(live_small):
@@ -245,6 +253,8 @@ def test_fragmented_message_over_the_cap_is_refused(live_small):
     frames, code = c.recv_until_close()
     c.close()
     assert code == 1009, (code, frames)
+    texts = [json.loads(p) for op, p in frames if op == OP_TEXT]
+    assert [t["kind"] for t in texts] == ["too_large"] and "at least" in texts[0]["message"], frames
 
 
 def test_message_over_the_cap_gets_the_json_error(live_small):

@@ -35,3 +35,13 @@ def test_audit_closure_is_the_serving_stack():
     packages = audit.closure()
     assert {"fastapi", "uvicorn", "starlette", "onnxruntime", "numpy", "soundfile", "websockets"} <= set(packages)
     assert not {"torch", "hypothesis", "schemathesis", "matplotlib", "pytest"} & set(packages)
+
+
+def test_soak_windows_add_up_to_the_totals_when_tails_arrive_late():
+    """A loaded machine delivers the last messages after the nominal end: they stay in a window."""
+    from types import SimpleNamespace
+
+    client = SimpleNamespace(arrivals=[0.1, 5.9, 6.3, 6.9, 7.6], latencies=[0.05, 0.2, 0.3, 0.5, 0.9])
+    w = soak.windows([client], 0.0, 6.0, 0.5, budget_ms=100.0)
+    assert sum(x["messages"] for x in w) == 5 and sum(x["late"] for x in w) == 4
+    assert w[-1]["t"] + 0.5 > 7.6

@@ -1,6 +1,8 @@
 """Layout readers on small generated fixtures with the real folder and file naming."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -121,3 +123,45 @@ def test_paired_folders_reports_unmatched(tmp_path):
     with pytest.raises(DataError, match="1 noisy file.*b.wav"):
         layouts.paired_folders(tmp_path / "n", tmp_path / "c")
     assert [p.clean for p in layouts.paired_folders(tmp_path / "n")] == [None, None]
+
+
+def test_files_tsv_paths_resolve_from_the_data_root_and_its_split_column_is_used(tmp_path):
+    """Like ../shared/data/speech/files.tsv: paths relative to the data root, a split column."""
+    from training.layouts import manifest_layout
+    from training.manifests import read_manifest
+
+    root = tmp_path / "data"
+    rows = ["split\tcategory\tpath\tseconds\tsample_rate\tgroup"]
+    for split, spk in (("train", "11"), ("train", "12"), ("valid", "23")):
+        rel = f"speech/libri/{spk}/a.wav"
+        (root / rel).parent.mkdir(parents=True)
+        sf.write(str(root / rel), speechlike(8000, seed=int(spk)), 16000)
+        rows.append(f"{split}\tspeech\t{rel}\t0.5\t16000\tlibri {spk}")
+    (root / "speech" / "files.tsv").write_text("\n".join(rows) + "\n")
+    items = read_manifest(root / "speech" / "files.tsv")
+    assert [Path(it.path) for it in items] == [root / "speech" / "libri" / s / "a.wav" for s in ("11", "12", "23")]
+    noise = tmp_path / "noise.tsv"
+    sf.write(str(tmp_path / "n.wav"), speechlike(8000, seed=9), 16000)
+    sf.write(str(tmp_path / "m.wav"), speechlike(8000, seed=8), 16000)
+    noise.write_text("path\tgroup\nn.wav\ta\nm.wav\tb\n")
+    data = manifest_layout(str(root / "speech" / "files.tsv"), str(noise))
+    assert [it.group for it in data.train["speech"]] == ["libri 11", "libri 12"]
+    assert [it.group for it in data.valid["speech"]] == ["libri 23"]
+
+
+def test_a_missing_file_is_reported_as_not_found(tmp_path):
+    from training.audio_cache import AudioReadError, load_audio
+
+    with pytest.raises(AudioReadError, match=f"^file not found: {tmp_path / 'gone.flac'}$"):
+        load_audio(tmp_path / "gone.flac")
+
+
+def test_data_without_manifests_points_at_materialize_and_the_quickstart(tmp_path, capsys):
+    from training.cli import main
+
+    (tmp_path / "speech").mkdir()
+    (tmp_path / "speech" / "files.tsv").write_text("path\n")
+    assert main(["fit", "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "has no manifests/ folder" in err and "materialize.sh" in err and "several GB" in err
+    assert "quickstart in training/README.md" in err and f"--speech {tmp_path / 'speech' / 'files.tsv'}" in err

@@ -24,7 +24,7 @@ def test_mix_hits_snr_and_level(snr, level):
     if np.abs(noisy).max() < 0.99 - 1e-6:
         assert abs(level_db(c) - level) < 0.1
     else:  # scaled down together to avoid clipping
-        assert level_db(c) < level and abs(np.abs(noisy).max() - 0.99) < 1e-6
+        assert level_db(c) < level and np.abs(noisy).max() == pytest.approx(0.99, rel=1e-6)
     assert noisy.dtype == np.float32 and noisy.shape == clean.shape
 
 

@@ -3,6 +3,7 @@ quiet bins stop dominating the error."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from training.objective import floored_estimate, refloor, weighted_mse
@@ -19,7 +20,7 @@ def test_floored_loss_matches_numpy():
     got = weighted_mse(floored_estimate(t(np.log(noisy + EPS)), t(gains), EPS, floor),
                        refloor(t(np.log(clean + EPS)), EPS, floor), t(w).expand(2, 5, 7))
     want = (((np.log(gains * noisy + floor) - np.log(clean + floor)) ** 2) * w).sum() / np.broadcast_to(w, noisy.shape).sum()
-    assert abs(float(got) - want) < 1e-12
+    assert float(got) == pytest.approx(want, rel=1e-12)
     assert torch.allclose(refloor(t(np.log(clean + EPS)), EPS, EPS), t(np.log(clean + EPS)))
 
 
