@@ -23,7 +23,7 @@ from server.settings import Settings
 from tests.conftest import speechlike
 
 from .conftest import TEST_LIMITS, LiveServer
-from .test_ws import expect_close, from_bytes, to_bytes
+from .test_ws import astream_through, expect_close, from_bytes, to_bytes
 
 HOP_S = 0.016
 
@@ -275,30 +275,9 @@ def test_slow_step_stream_is_told_and_skips_its_backlog_with_the_gap_marked(live
     x = speechlike(int(seconds * sr), sr, seed=21)[:, None]
     skipped0 = metric(srv, "tim_skipped_hops_total")
 
-    async def client():
-        out, texts = [], []
-        async with aconnect(srv.ws_url, max_size=None) as ws:
-            await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
-            assert json.loads(await ws.recv())["type"] == "ready"
-
-            async def reader():
-                async for m in ws:
-                    if isinstance(m, bytes):
-                        out.append(from_bytes(m, "f32le", 1))
-                    else:
-                        texts.append(json.loads(m))
-
-            task = asyncio.create_task(reader())
-            t0 = time.perf_counter()
-            for k, i in enumerate(range(0, len(x), chunk)):
-                await ws.send(to_bytes(x[i:i + chunk], "f32le"))
-                await asyncio.sleep(max(t0 + (k + 1) * chunk / sr - time.perf_counter(), 0))
-            await ws.send(json.dumps({"type": "end"}))
-            await task
-            return np.concatenate(out), texts, ws.close_code
-
     monkeypatch.setattr(pool, "step", slow_step)
-    y, texts, code = asyncio.run(client())
+    chunks = [min(chunk, len(x) - i) for i in range(0, len(x), chunk)]
+    y, texts, code = asyncio.run(astream_through(srv.ws_url, x, sr, chunks, 0.0, realtime=True))
     monkeypatch.undo()
     assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}
     assert y.shape == x.shape  # sample alignment kept through the skips

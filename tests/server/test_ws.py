@@ -59,9 +59,10 @@ def stream_through(url: str, x: np.ndarray, sr: int, encoding: str, chunks, star
     return y, texts, code
 
 
-async def astream_through(url: str, x: np.ndarray, sr: int, chunks, pause_s: float):
-    """Async client: send `x` (n, 1) as f32le in chunks of the given sizes, `pause_s` apart, while
-    reading; then end. Returns (output, text messages after `ready`, close code)."""
+async def astream_through(url: str, x: np.ndarray, sr: int, chunks, pause_s: float, realtime: bool = False):
+    """Async client: send `x` (n, 1) as f32le in chunks of the given sizes, `pause_s` apart (with
+    `realtime`: each chunk when its audio would have been recorded), while reading; then end.
+    Returns (output, text messages after `ready`, close code)."""
     out, texts = [], []
     async with aconnect(url, max_size=None) as ws:
         await ws.send(json.dumps({"sample_rate": sr, "encoding": "f32le"}))
@@ -75,11 +76,11 @@ async def astream_through(url: str, x: np.ndarray, sr: int, chunks, pause_s: flo
                     texts.append(json.loads(m))
 
         task = asyncio.create_task(reader())
-        pos = 0
+        pos, t0 = 0, time.perf_counter()
         for n in chunks:
             await ws.send(to_bytes(x[pos:pos + n], "f32le"))
             pos += n
-            await asyncio.sleep(pause_s)
+            await asyncio.sleep(max(t0 + pos / sr - time.perf_counter(), 0) if realtime else pause_s)
         assert pos == len(x)
         await ws.send(json.dumps({"type": "end"}))
         await task
