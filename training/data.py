@@ -27,7 +27,7 @@ import numpy as np
 from . import augment
 from .audio_cache import SAMPLE_RATE, AudioSet
 from .manifests import DataError
-from .mixing import PEAK_LIMIT, active_rms, concatenate, fit_length, mix
+from .mixing import active_rms, concatenate, fit_length, limit_peak, mix
 
 MIN_NOISE_RMS = 1e-4  # -80 dBFS: quieter noise excerpts (silent parts of effects) are redrawn
 
@@ -264,10 +264,8 @@ class Synthesizer:
         noisy, clean = mix(clean, noise, snr, level, target=target)
         if cfg.p_bandlimit > 0 and rng.random() < cfg.p_bandlimit:
             cut = float(augment.BANDLIMITS_HZ[int(rng.integers(len(augment.BANDLIMITS_HZ)))])
-            noisy, clean = augment.lowpass(noisy, cut), augment.lowpass(clean, cut)
-            peak = max(float(np.abs(noisy).max()), float(np.abs(clean).max()))
-            if peak > PEAK_LIMIT:  # the filter's ringing can overshoot the mixer's limit
-                noisy, clean = noisy * np.float32(PEAK_LIMIT / peak), clean * np.float32(PEAK_LIMIT / peak)
+            # the filter's ringing can overshoot the mixer's limit
+            noisy, clean = limit_peak(augment.lowpass(noisy, cut), augment.lowpass(clean, cut))
             bw = min(bw, cut)
             aug.append(f"lowpass {cut:g}")
         if cfg.p_clip > 0 and rng.random() < cfg.p_clip:

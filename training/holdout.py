@@ -32,21 +32,18 @@ UNSEEN_SOURCES: dict[str, tuple[str, ...]] = {
 
 def corpus_source(item: Item, root) -> str | None:
     """The source folder of a corpus file (`ROOT/noise/lugaru/x.ogg` -> "lugaru"), or None when the
-    file does not lie in the corpus layout."""
+    file does not lie in the corpus layout. `root` is taken as resolved (`split_unseen` resolves it once)."""
     try:
-        parts = Path(item.path).resolve().relative_to(Path(root).resolve()).parts
+        parts = Path(item.path).resolve().relative_to(root).parts
     except ValueError:
         return None
     return parts[1] if len(parts) >= 3 else None
 
 
-def is_unseen(item: Item, category: str, root) -> bool:
-    return corpus_source(item, root) in UNSEEN_SOURCES.get(category, ())
-
-
 def split_unseen(items: list[Item], category: str, root) -> tuple[list[Item], list[Item]]:
     """(kept for training, held out)."""
     kept, held = [], []
+    root, unseen = Path(root).resolve(), UNSEEN_SOURCES.get(category, ())
     for it in items:
-        (held if is_unseen(it, category, root) else kept).append(it)
+        (held if corpus_source(it, root) in unseen else kept).append(it)
     return kept, held

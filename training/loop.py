@@ -205,8 +205,6 @@ class Trainer:
                          "dropout masks will differ from an uninterrupted run")
             self.log(f"resumed from {resume_path} at step {self.step} ({self.examples} examples, lr {self.lr:.2e}, "
                      f"best valid {self.best:.4f})")
-        for g in self.opt.param_groups:
-            g["lr"] = self.lr
         self.best_dev = DevScore.from_dict(state.get("best_dev")) if state is not None else None
         self._setup_schedule()
         self._setup_dev()
@@ -229,9 +227,10 @@ class Trainer:
                 raise ValueError("the cosine schedule needs --total-steps (or --max-steps)")
             if o.warmup_steps >= self.total_steps:
                 raise ValueError(f"--warmup-steps {o.warmup_steps} must be below the total {self.total_steps}")
-            self._apply_lr()
+        self._apply_lr()
 
     def _apply_lr(self) -> None:
+        """Set the optimiser's lr: the cosine schedule's at this step, else `self.lr`."""
         o = self.opts
         if o.schedule == "cosine":
             self.lr = cosine_lr(self.step, o.lr, o.warmup_steps, self.total_steps, o.final_lr)
@@ -396,8 +395,7 @@ class Trainer:
         if o.schedule == "plateau" and self.bad >= o.patience and self.lr > o.min_lr:
             self.lr = max(self.lr * o.lr_factor, o.min_lr)
             self.bad = 0
-            for g in self.opt.param_groups:
-                g["lr"] = self.lr
+            self._apply_lr()
             self.log(f"validation loss has not improved for {o.patience} validations: lr -> {self.lr:.2e}")
         return False
 

@@ -65,11 +65,17 @@ def mix(clean: np.ndarray, noise: np.ndarray | None, snr: float, level: float,
         noisy = clean if rn <= 0.0 else clean + noise * (active_rms(clean) / rn / 10.0 ** (snr / 20.0))
     if ref is not None:
         clean = ref
-    peak = max(np.abs(noisy).max(), np.abs(clean).max())
+    noisy, clean = limit_peak(noisy, clean, peak_limit)
+    return noisy.astype(np.float32), clean.astype(np.float32)
+
+
+def limit_peak(noisy: np.ndarray, clean: np.ndarray, peak_limit: float = PEAK_LIMIT) -> tuple[np.ndarray, np.ndarray]:
+    """Scale both down together (the SNR is kept) when either exceeds `peak_limit`."""
+    peak = max(float(np.abs(noisy).max()), float(np.abs(clean).max()))
     if peak > peak_limit:
         g = peak_limit / peak
         noisy, clean = noisy * g, clean * g
-    return noisy.astype(np.float32), clean.astype(np.float32)
+    return noisy, clean
 
 
 def fit_length(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
