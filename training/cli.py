@@ -74,6 +74,9 @@ def add_fit(sub) -> None:
     p.add_argument("--p-clean", type=float, help="share of noise-free examples (default 0.05)")
     p.add_argument("--loss-floor", type=float, help="the loss compares log(|S| + floor) (default: the model's log_eps, "
                    "1e-4; e.g. 1e-2 so that inaudibly quiet bins do not dominate); inputs are unchanged")
+    p.add_argument("--compressed-weight", type=float, default=0.0,
+                   help="add this weight times the MSE of |magnitude|^0.3 (estimate against clean) to the "
+                        "log-magnitude loss (default 0: the log-magnitude loss alone)")
     p.add_argument("--augment", action="store_true",
                    help="switch on the augmentation recipe (reverb, EQ, speed, band-limiting, clipping, procedural "
                         "and layered noise, more music and babble; training.data.AUGMENT_RECIPE)")
@@ -158,6 +161,7 @@ def cmd_fit(args) -> int:
         checkpoint_minutes=args.checkpoint_minutes, keep_last=args.keep_last, log_every=args.log_every,
         seed=args.seed, precision=args.precision, threads=args.threads, norm_examples=args.norm_examples,
         cache_dir=args.cache_dir, jobs=args.jobs, quiet=args.quiet, loss_floor=args.loss_floor,
+        compressed_weight=args.compressed_weight,
         schedule=args.schedule, warmup_steps=args.warmup_steps, total_steps=args.total_steps, final_lr=args.final_lr,
         dev=args.dev, dev_every=args.dev_every, dev_files=args.dev_files or None,
         dnsmos_dir=default_dnsmos_dir() if args.dev is not None else None,

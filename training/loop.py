@@ -74,6 +74,7 @@ class FitOptions:
     jobs: int | None = None  # processes decoding audio into the cache
     quiet: bool = False
     loss_floor: float | None = None  # None: the model's log_eps (see training.objective)
+    compressed_weight: float = 0.0  # weight of the compressed-magnitude term (training.objective.batch_loss)
     schedule: str = "plateau"  # plateau: halve after `patience` bad validations; cosine: warm-up, then cosine decay
     warmup_steps: int = 0
     total_steps: int | None = None  # cosine: the step at which the lr reaches final_lr (default: max_steps)
@@ -324,7 +325,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         if o.schedule == "cosine":
             self._apply_lr()
-        loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor)
+        loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor, o.compressed_weight)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.opt)

@@ -14,6 +14,8 @@ from enhancer.model import features
 
 from .data import Synthesizer
 
+COMPRESSED_POWER = 0.3  # the power-law compression of the auxiliary magnitude loss
+
 
 def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """(B,) bandwidths -> (B, 1, F) 1 for bins at or below the bandwidth, 0 above."""
@@ -22,16 +24,33 @@ def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
-               loss_floor: float | None = None) -> torch.Tensor:
-    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
+               loss_floor: float | None = None, compressed_weight: float = 0.0,
+               compressed_power: float = COMPRESSED_POWER) -> torch.Tensor:
+    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
+
+    The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
+    magnitudes (|gain * X|^p against |S|^p, p = `compressed_power`), which weighs the loud bins that
+    carry speech more than the log domain does."""
     cfg = core.config
-    x = features.log_magnitude(features.stft(noisy, cfg.stft), cfg.log_eps)  # (B, T, F)
-    y = features.log_magnitude(features.stft(clean, cfg.stft), cfg.log_eps)  # (B, T, F)
+    noisy_mag = features.stft(noisy, cfg.stft).abs()  # (B, T, F)
+    clean_mag = features.stft(clean, cfg.stft).abs()
+    x = torch.log(noisy_mag + cfg.log_eps)
+    y = torch.log(clean_mag + cfg.log_eps)
     with autocast():
         gains, _ = net(x, pad_end=False)  # (B, T - L, F)
     t = gains.shape[1]
+    gains = gains.float()
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
-    return weighted_mse(*compared(core, x[:, :t], y[:, :t], gains.float(), loss_floor), w)
+    loss = weighted_mse(*compared(core, x[:, :t], y[:, :t], gains, loss_floor), w)
+    if compressed_weight > 0.0:
+        loss = loss + compressed_weight * weighted_mse(
+            compressed(gains * noisy_mag[:, :t], compressed_power), compressed(clean_mag[:, :t], compressed_power), w)
+    return loss
+
+
+def compressed(mag: torch.Tensor, power: float) -> torch.Tensor:
+    """|X|^power, with a floor far below anything audible so that the gradient stays finite at 0."""
+    return mag.clamp_min(1e-6) ** power
 
 
 def compared(core, noisy_logmag, clean_logmag, gains, loss_floor: float | None = None):
