@@ -1,19 +1,28 @@
-// Browser demo: microphone -> AudioWorklet -> websocket /v1/stream -> playback, with a live plot of
-// the competition scores the server sends as metadata. No build step: plain modern JavaScript.
-"use strict";
+// Live view: microphone -> AudioWorklet -> websocket /v1/stream -> playback, with live spectrograms
+// of the input and the output, level meters, the latency measured end to end and a plot of the
+// competition scores the server sends as metadata. No build step: plain modern JavaScript.
+import { $, apiKey, onView, showKey } from "./common.js";
+import { LIVE_RANGE_DB, ScrollingSpectrogram, drawColourBar } from "./spectrogram.js";
 
 const CHUNK_MS = 20;
 const PLOT_FRAMES = 240; // frames (16 ms each) visible in the plot: about 4 s
+const SPECTROGRAM_S = 5; // seconds visible in the live spectrograms
 
-// Everything the page knows, readable by tests and the results panel.
+// Everything the page knows, readable by tests and shown under "Details".
 const state = (window.demoState = {
   status: "idle", error: null, sampleRate: 0, latencyMs: null, chunksSent: 0,
   enhancedMessages: 0, enhancedSamples: 0, metadataFrames: 0, plottedFrames: 0, mode: "enhanced",
+  roundTripMs: null, playbackBufferMs: null, deviceLatencyMs: null, endToEndMs: null,
+  inputLevelDb: null, outputLevelDb: null, spectrogramColumns: { input: 0, output: 0 },
 });
 
-const $ = (id) => document.getElementById(id);
 let ctx = null, ws = null, mic = null, capture = null, playback = null;
 const history = []; // recent metadata frames for the plot
+let specIn = null, specOut = null;
+let sent = []; // [input samples sent after the chunk, time it was sent] of chunks not yet enhanced
+let samplesIn = 0, samplesOut = 0;
+let roundTrips = []; // recent measurements (ms)
+const level = { input: -Infinity, output: -Infinity };
 
 function setStatus(status, error) {
   state.status = status;
@@ -44,10 +53,19 @@ async function start() {
       numberOfInputs: 0, outputChannelCount: [1], processorOptions: { sampleRate: ctx.sampleRate },
     });
     playback.port.postMessage({ kind: "mode", mode: state.mode });
+    const rate = ctx.sampleRate;
+    playback.port.onmessage = (e) => {
+      if (e.data.kind === "queue") state.playbackBufferMs = Math.round((1000 * e.data.enhanced) / rate);
+    };
     const silent = ctx.createGain();
     silent.gain.value = 0;
     ctx.createMediaStreamSource(mic).connect(capture).connect(silent).connect(ctx.destination);
     playback.connect(ctx.destination);
+    specIn = new ScrollingSpectrogram($("live-in"), rate, SPECTROGRAM_S);
+    specOut = new ScrollingSpectrogram($("live-out"), rate, SPECTROGRAM_S);
+    sent = [];
+    roundTrips = [];
+    samplesIn = samplesOut = 0;
     await openSocket();
     capture.port.onmessage = (e) => sendChunk(e.data);
     await ctx.resume();
@@ -61,8 +79,9 @@ async function start() {
 function socketUrl() {
   const url = new URL("/v1/stream", location.href);
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
-  const key = $("api-key").value.trim();
-  if (key) url.searchParams.set("api_key", key);
+  url.search = "";
+  url.hash = "";
+  if (apiKey()) url.searchParams.set("api_key", apiKey());
   return url;
 }
 
@@ -90,7 +109,7 @@ function openSocket() {
       } else if (msg.type === "metadata") {
         onMetadata(msg.frames);
       } else if (msg.type === "error") {
-        if (msg.kind === "unauthorized" || msg.kind === "forbidden") $("key-label").hidden = false;
+        if (msg.kind === "unauthorized" || msg.kind === "forbidden") showKey(true);
         setStatus("error", msg.message);
         reject(new Error(msg.message));
       }
@@ -107,8 +126,12 @@ function openSocket() {
 function sendChunk(samples) {
   if (!ws || ws.readyState !== WebSocket.OPEN || !playback) return;
   ws.send(samples.buffer);
+  samplesIn += samples.length;
+  sent.push([samplesIn, performance.now()]);
   playback.port.postMessage({ kind: "original", samples });
   state.chunksSent += 1;
+  level.input = Math.max(rmsDb(samples), level.input);
+  specIn.push(samples);
 }
 
 function onAudio(buffer) {
@@ -116,8 +139,34 @@ function onAudio(buffer) {
   state.enhancedMessages += 1;
   state.enhancedSamples += samples.length;
   if (!playback) return; // stopped: the tail of the stream arrives after playback has ended
+  measureRoundTrip(samples.length);
+  level.output = Math.max(rmsDb(samples), level.output);
+  specOut.push(samples);
   playback.port.postMessage({ kind: "enhanced", samples }, [samples.buffer]);
   if (state.enhancedMessages % 10 === 0) showResults();
+}
+
+/** Output sample i is the enhanced input sample i: the newest sample of this message went into the
+ * capture worklet (end of its chunk - its place in the chunk) before its chunk was sent. */
+function measureRoundTrip(n) {
+  samplesOut += n;
+  while (sent.length && sent[0][0] < samplesOut) sent.shift();
+  if (!sent.length) return;
+  const [end, t] = sent[0];
+  const waited = (1000 * (end - samplesOut)) / ctx.sampleRate; // in the capture chunk before it was sent
+  roundTrips.push(performance.now() - t + waited);
+  if (roundTrips.length > 100) roundTrips.shift();
+}
+
+function median(xs) {
+  const s = [...xs].sort((a, b) => a - b);
+  return s.length ? s[Math.floor(s.length / 2)] : null;
+}
+
+function rmsDb(x) {
+  let s = 0;
+  for (let i = 0; i < x.length; i++) s += x[i] * x[i];
+  return 10 * Math.log10(s / Math.max(1, x.length) + 1e-12);
 }
 
 function onMetadata(frames) {
@@ -133,15 +182,39 @@ function stop() {
   else if (ws && ws.readyState === WebSocket.CONNECTING) ws.close();
   ws = null; // the stopped socket finishes on its own (tail, end, close); its messages are ignored
   if (mic) mic.getTracks().forEach((t) => t.stop());
-  if (ctx) ctx.close();
+  if (ctx && ctx.state !== "closed") ctx.close().catch(() => {});
+  if (capture) capture.port.onmessage = null;
+  if (playback) playback.port.onmessage = null;
   ctx = mic = capture = playback = null;
   $("start").disabled = false;
   $("stop").disabled = true;
   if (state.status === "streaming") setStatus("stopped");
 }
 
+// ------------------------------------------------------------------------------ readouts
+function readouts() {
+  // levels: the loudest 20 ms since the last frame, falling back by 20 dB/s (a meter's ballistics)
+  for (const [k, id] of [["input", "level-in"], ["output", "level-out"]]) {
+    const db = Math.max(-60, Math.min(0, level[k]));
+    const shown = Number.isFinite(level[k]) ? db : -60;
+    $(id).value = shown;
+    $(`${id}-text`).textContent = Number.isFinite(level[k]) ? `${Math.round(level[k])} dBFS` : "–";
+    state[`${k}LevelDb`] = Number.isFinite(level[k]) ? Math.round(level[k] * 10) / 10 : null;
+    level[k] = Number.isFinite(level[k]) ? level[k] - 20 / 60 : level[k];
+  }
+  const rt = median(roundTrips);
+  if (rt !== null && ctx) {
+    state.roundTripMs = Math.round(rt);
+    state.deviceLatencyMs = Math.round(1000 * ((ctx.baseLatency || 0) + (ctx.outputLatency || 0)));
+    state.endToEndMs = state.roundTripMs + (state.playbackBufferMs || 0) + state.deviceLatencyMs;
+    $("latency").textContent = `${state.endToEndMs} ms`;
+    $("latency-detail").textContent = `round trip ${state.roundTripMs} ms (the model's own latency ${state.latencyMs} ms),` +
+      ` playback buffer ${state.playbackBufferMs || 0} ms, audio device ${state.deviceLatencyMs} ms`;
+  }
+}
+
 // ------------------------------------------------------------------------------ plot
-function draw() {
+function drawPlot() {
   const canvas = $("plot");
   const g = canvas.getContext("2d");
   const W = canvas.width, H = canvas.height;
@@ -175,6 +248,23 @@ function draw() {
   g.stroke();
   state.plottedFrames = frames.length;
   canvas.dataset.frames = String(frames.length);
+}
+
+let scaleDrawn = false;
+function draw() {
+  if (!$("view-live").hidden) {
+    drawPlot();
+    if (specIn) {
+      specIn.draw();
+      specOut.draw();
+      state.spectrogramColumns = { input: specIn.columns, output: specOut.columns };
+    }
+    if (!scaleDrawn) {
+      drawColourBar($("live-scale"), LIVE_RANGE_DB[0], LIVE_RANGE_DB[1]);
+      scaleDrawn = true;
+    }
+    readouts();
+  }
   requestAnimationFrame(draw);
 }
 
@@ -185,9 +275,10 @@ document.querySelectorAll("input[name=mode]").forEach((el) => el.addEventListene
   state.mode = el.value;
   if (playback) playback.port.postMessage({ kind: "mode", mode: el.value });
 }));
-fetch("/readyz").then((r) => r.json()).then((r) => {
-  if (r.limits && r.limits.auth) $("key-label").hidden = false;
-  if (r.model) $("info").textContent = `model ${r.model} on ${r.provider}`;
-}).catch(() => {});
+$("details").addEventListener("toggle", showResults);
+window.addEventListener("resize", () => { scaleDrawn = false; });
+onView(() => { scaleDrawn = false; });
+specIn = new ScrollingSpectrogram($("live-in"), 48000, SPECTROGRAM_S); // empty until the microphone starts
+specOut = new ScrollingSpectrogram($("live-out"), 48000, SPECTROGRAM_S);
 showResults();
 requestAnimationFrame(draw);

@@ -60,6 +60,7 @@ class Playback extends AudioWorkletProcessor {
     this.mode = "enhanced";
     this.prebuffer = Math.round(rate * 0.04); // jitter buffer before playback starts
     this.playing = false;
+    this.calls = 0;
     this.port.onmessage = (e) => {
       const m = e.data;
       if (m.kind === "enhanced") this.enhanced.push(m.samples);
@@ -84,6 +85,7 @@ class Playback extends AudioWorkletProcessor {
       this.enhanced.skip(out.length);
     }
     for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
+    if (++this.calls % 32 === 0) this.port.postMessage({ kind: "queue", enhanced: this.enhanced.size }); // about 10 a second
     return true;
   }
 }

@@ -13,7 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from websockets.sync.client import connect
+
+# Screenshots of the page for people to look at (not committed: /artifacts/ is ignored by git).
+ARTIFACTS = Path(os.environ.get("TIM_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts"))
 
 
 def chromium_path() -> str | None:
@@ -23,19 +27,36 @@ def chromium_path() -> str | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def browser_available():
+    if chromium_path() is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (make test installs Debian's chromium when run as root)")
+        pytest.skip("chromium is not installed: apt-get install chromium")
+
+
+# key -> (windows virtual key code, DOM code, text typed)
+KEYS = {"Tab": (9, "Tab", ""), "Enter": (13, "Enter", "\r"), " ": (32, "Space", " "), "Escape": (27, "Escape", ""),
+        "ArrowLeft": (37, "ArrowLeft", ""), "ArrowUp": (38, "ArrowUp", ""), "ArrowRight": (39, "ArrowRight", ""),
+        "ArrowDown": (40, "ArrowDown", "")}
+
+
 class Chromium:
-    """One headless browser with a fake microphone playing `audio_file` and one page at `url`.
+    """One headless browser with a fake microphone playing `audio_file` (or Chromium's beep when
+    None) and one page at `url`.
 
     Every uncaught page error, console error and failed resource load (e.g. a 404 favicon) from the
     first request on is recorded: `errors()` lists them."""
 
-    def __init__(self, url: str, audio_file: Path, width: int = 1100, height: int = 820):
+    def __init__(self, url: str, audio_file: Path | None = None, width: int = 1100, height: int = 820,
+                 mobile: bool = False):
         self.profile = tempfile.mkdtemp(prefix="tim-chromium-")
+        fake_audio = [f"--use-file-for-fake-audio-capture={audio_file}"] if audio_file else []
         args = [chromium_path(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-dev-shm-usage", f"--user-data-dir={self.profile}", "--remote-debugging-port=0",
                 "--remote-debugging-address=127.0.0.1", "--use-fake-ui-for-media-stream",
-                "--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={audio_file}",
+                "--use-fake-device-for-media-stream", *fake_audio,
                 "--autoplay-policy=no-user-gesture-required", f"--window-size={width},{height}", "about:blank"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self.ws = connect(self._page_ws_url("about:blank"), max_size=None, open_timeout=20).__enter__()
@@ -43,6 +64,11 @@ class Chromium:
         self.events: list[dict] = []
         for domain in ("Runtime", "Log", "Page"):  # before the page loads, so nothing is missed
             self.call(f"{domain}.enable")
+        if mobile:  # a phone: its viewport width, touch and the page's viewport meta tag
+            self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=2,
+                      mobile=True)
+            self.call("Emulation.setTouchEmulationEnabled", enabled=True)
+        self.call("Emulation.setFocusEmulationEnabled", enabled=True)  # focus and :focus-visible as in a focused window
         self.call("Page.navigate", url=url)
 
     def _page_ws_url(self, url: str, timeout: float = 30.0) -> str:
@@ -93,6 +119,64 @@ class Chromium:
             time.sleep(interval)
         return value
 
+    def wait_event(self, method: str, since: int = 0, timeout: float = 10.0) -> dict | None:
+        """The first event `method` recorded at index >= `since` (take `len(page.events)` before the
+        action that causes it), waiting up to `timeout` s; None if none came."""
+        deadline = time.time() + timeout
+        while True:
+            for e in self.events[since:]:
+                if e["method"] == method:
+                    return e
+            since = len(self.events)
+            left = deadline - time.time()
+            if left <= 0:
+                return None
+            try:
+                msg = json.loads(self.ws.recv(timeout=left))
+            except TimeoutError:
+                return None
+            if "method" in msg:
+                self.events.append(msg)
+
+    def press(self, key: str, shift: bool = False) -> None:
+        """One key pressed and released, as the keyboard would (focus moves on Tab, buttons click on
+        Enter and Space)."""
+        vk, code, text = KEYS[key]
+        common = dict(key=key, code=code, windowsVirtualKeyCode=vk, nativeVirtualKeyCode=vk, modifiers=8 if shift else 0)
+        self.call("Input.dispatchKeyEvent", type="keyDown" if text else "rawKeyDown", text=text, **common)
+        self.call("Input.dispatchKeyEvent", type="keyUp", **common)
+
+    def tab_to(self, js_test: str, limit: int = 40, shift: bool = False) -> int:
+        """Presses Tab until `js_test` (an expression on `document.activeElement`, as `el`) holds;
+        returns the number of presses, or raises if it never did within `limit`."""
+        for i in range(1, limit + 1):
+            self.press("Tab", shift)
+            if self.evaluate(f"(el => !!({js_test}))(document.activeElement)"):
+                return i
+        raise AssertionError(f"{limit} Tab presses never reached {js_test}: focus on "
+                             f"{self.evaluate('document.activeElement.outerHTML.slice(0, 120)')}")
+
+    def choose_files(self, trigger, files: list[Path], timeout: float = 10.0) -> None:
+        """Answers the file chooser that `trigger()` opens (a click or key press on the page) with
+        `files`, as a user picking them in the dialog would."""
+        self.call("Page.setInterceptFileChooserDialog", enabled=True)
+        since = len(self.events)
+        trigger()
+        opened = self.wait_event("Page.fileChooserOpened", since, timeout)
+        assert opened is not None, "no file chooser opened"
+        self.call("DOM.setFileInputFiles", files=[str(f) for f in files],
+                  backendNodeId=opened["params"]["backendNodeId"])
+
+    def drop_files(self, files: list[Path], x: float, y: float) -> None:
+        """Drags `files` from outside the browser and drops them at (x, y) (CSS px in the viewport)."""
+        data = {"items": [], "files": [str(f) for f in files], "dragOperationsMask": 1}
+        for kind in ("dragEnter", "dragOver", "drop"):
+            self.call("Input.dispatchDragEvent", type=kind, x=x, y=y, data=data)
+
+    def allow_downloads(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(folder), eventsEnabled=True)
+
     def pump(self, seconds: float) -> None:
         """Let the page run for `seconds`, recording its events."""
         deadline = time.time() + seconds
@@ -119,8 +203,14 @@ class Chromium:
                 out.append(f"log ({entry.get('source')}): {entry.get('text')} {entry.get('url', '')}".rstrip())
         return out
 
-    def screenshot(self, path: Path) -> None:
-        data = self.call("Page.captureScreenshot", format="png")["data"]
+    def screenshot(self, path: Path, full_page: bool = False) -> None:
+        """A PNG of the viewport, or of the whole page (`full_page`)."""
+        params = {}
+        if full_page:
+            size = self.call("Page.getLayoutMetrics")["cssContentSize"]
+            params = dict(captureBeyondViewport=True,
+                          clip=dict(x=0, y=0, width=size["width"], height=size["height"], scale=1))
+        data = self.call("Page.captureScreenshot", format="png", **params)["data"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data))
 
