@@ -15,6 +15,7 @@ const state = (window.fileState = {
 
 let file = null; // the chosen File
 let request = null; // the XMLHttpRequest in flight
+let run = 0; // the current enhancement: a newer file or limit makes older results stale
 let downloadUrl = null;
 let original = null; // { buffer, spec } of the current file, decoded once per file
 let enhanced = null;
@@ -83,6 +84,7 @@ $("file-atten").addEventListener("change", () => {
 // ------------------------------------------------------------------------------ upload
 function enhance() {
   if (request) request.abort();
+  const mine = ++run;
   hideError();
   const atten = $("file-atten").value;
   state.atten = atten === "" ? null : Number(atten);
@@ -115,7 +117,7 @@ function enhance() {
     state.uploadProgress = 1;
     if (xhr.status !== 200) return fail(xhr.status, parseJson(xhr.response), xhr.getResponseHeader("Retry-After"));
     state.enhanceMs = Math.round(performance.now() - t0);
-    received(xhr).catch((err) => fail(-1, { error: { message: err.message || String(err) } }));
+    received(xhr, mine).catch((err) => { if (mine === run) fail(-1, { error: { message: err.message || String(err) } }); });
   };
   xhr.send(file);
 }
@@ -163,7 +165,7 @@ function hideError() {
 }
 
 // ------------------------------------------------------------------------------ result
-async function received(xhr) {
+async function received(xhr, mine) {
   const body = xhr.response; // the enhanced file, exactly as the server sent it
   const type = xhr.getResponseHeader("Content-Type") || "application/octet-stream";
   const ext = (/filename="?[^".]*\.([A-Za-z0-9]+)"?/.exec(xhr.getResponseHeader("Content-Disposition") || "") || [])[1] || "wav";
@@ -183,10 +185,14 @@ async function received(xhr) {
   progress("decoding", null, "Drawing the spectrograms");
   const first = !original;
   if (first) {
-    original = await analyse(await file.arrayBuffer(), rate, "original");
+    const decoded = await analyse(await file.arrayBuffer(), rate, "original");
+    if (mine !== run) return; // another file or limit was chosen meanwhile
+    original = decoded;
     state.decoded.original = !!original.buffer;
   }
-  enhanced = await analyse(body.slice(0), rate, "enhanced");
+  const decoded = await analyse(body.slice(0), rate, "enhanced");
+  if (mine !== run) return;
+  enhanced = decoded;
   state.decoded.enhanced = !!enhanced.buffer;
   if (!scale && original.spec) {
     const hi = 5 * Math.ceil(Math.max(original.spec.peak, -60) / 5);
@@ -206,13 +212,14 @@ async function received(xhr) {
 
   $("file-info").textContent = `${file.name} · ${rate} Hz · ${channels === 1 ? "mono" : channels === 2 ? "stereo" : `${channels} channels`}` +
     ` · ${clock(frames / rate, 0.1)} · ${ext.toUpperCase()} · enhanced in ${(state.enhanceMs / 1000).toFixed(1)} s` +
-    (state.atten !== null ? ` with an attenuation limit of ${state.atten} dB` : "");
+    (state.atten !== null ? ` with an attenuation limit of ${state.atten} dB` : "") +
+    (channels > 1 ? " (spectrograms of the channels' mix)" : "");
   $("file-result").hidden = false;
   $("file-progress-box").hidden = true;
   $("file-status").textContent = "";
   state.runs += 1;
   setStatus("ready");
-  drawAll();
+  update();
 }
 
 /** Decodes a file at its own sample rate and computes its spectrogram (both null if the browser

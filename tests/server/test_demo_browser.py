@@ -1,53 +1,67 @@
-"""The browser demo in real headless Chromium with a fake microphone playing a noisy file."""
+"""The page's live microphone view in real headless Chromium with a fake microphone playing a real
+noisy recording (tests/fixtures/golden/noisy.flac, p287, 16 kHz)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import numpy as np
-import pytest
 import soundfile as sf
 
-from tests.conftest import speechlike
+from .browser import ARTIFACTS, Chromium, browser_available  # noqa: F401 - a fixture
 
-from .browser import Chromium, chromium_path
-
-ARTIFACTS = Path(os.environ.get("TIM_ARTIFACTS", Path(__file__).resolve().parents[2] / "artifacts"))
-
-
-@pytest.fixture(scope="module")
-def browser_available():
-    if chromium_path() is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed (make test installs Debian's chromium when run as root)")
-        pytest.skip("chromium is not installed: apt-get install chromium")
-
-
+NOISY = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "noisy.flac"
 STREAMING = ("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > {n} "
-             "&& window.demoState.plottedFrames > 150 && window.demoState")
+             "&& window.demoState.plottedFrames > 150 && window.demoState.roundTripMs !== null && window.demoState")
 
 
-def test_demo_start_stream_stop_start_again_without_a_page_error(live, browser_available, tmp_path):
-    """start -> stream -> stop (the enhanced tail still arrives) -> start again -> stop: the page
-    streams each time, and not one uncaught error, console error or failed load (favicon) occurs."""
-    noisy = speechlike(48000 * 4, 48000, seed=21)
-    noisy = noisy + 0.05 * np.random.default_rng(0).standard_normal(noisy.shape).astype(np.float32)
+def lit(page: Chromium, canvas_id: str) -> float:
+    """Share of a canvas' pixels that are painted brighter than near-black."""
+    return page.evaluate(f"""(() => {{
+        const c = document.getElementById({canvas_id!r}), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0;
+        for (let i = 0; i < d.length; i += 4) if (d[i + 3] > 0 && d[i] + d[i + 1] + d[i + 2] > 90) n++;
+        return n / (d.length / 4);
+    }})()""")
+
+
+def test_live_view_by_keyboard_stream_spectrograms_meters_latency_stop_start_again(live, browser_available, tmp_path, capsys):
+    """Keyboard only: Tab to Start, Enter -> the microphone streams; the input and output
+    spectrograms scroll, the level meters move, the end-to-end latency is measured, the competition
+    plot is drawn and the raw state sits behind a closed "Details" disclosure; Enter on Stop stops
+    it (the enhanced tail still arrives), it starts again and stops again, and not one uncaught
+    error, console error or failed load (favicon) occurs."""
+    x, sr = sf.read(NOISY, dtype="int16")
     wav = tmp_path / "noisy.wav"
-    sf.write(wav, noisy, 48000, subtype="PCM_16")
+    sf.write(wav, x, sr, subtype="PCM_16")
     frames_before = live.metrics.frames.labels(source="stream")._value.get()
 
-    page = Chromium(live.base + "/", wav)
+    page = Chromium(live.base + "/#live", wav)
     try:
         assert page.wait_for("document.readyState === 'complete' && !!window.demoState", 20)
-        page.evaluate("document.getElementById('start').click()", user_gesture=True)
-        state = page.wait_for(STREAMING.format(n=48000), 40) or page.evaluate("window.demoState")
-        page.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")  # plot repainted
-        page.screenshot(ARTIFACTS / "demo-browser.png")
+        assert page.evaluate("[document.body.dataset.view, document.getElementById('view-file').hidden]") == ["live", True]
+        page.tab_to("el.id === 'start'")
+        page.press("Enter")
+        rate = page.wait_for("window.demoState.sampleRate", 20)
+        state = page.wait_for(STREAMING.format(n=rate), 40) or page.evaluate("window.demoState")
+        page.pump(0.5)
+        state = page.evaluate("window.demoState")
         assert state["status"] == "streaming", state
         assert state["error"] is None, state
-        assert state["enhancedMessages"] > 10 and state["enhancedSamples"] > 24000, state
+        assert state["enhancedMessages"] > 10 and state["enhancedSamples"] > rate // 2, state
         assert state["metadataFrames"] > 60 and state["plottedFrames"] > 60, state
         assert state["latencyMs"] == 64.0
+        # the latency, measured: output sample i against the moment input sample i was captured
+        assert state["latencyMs"] <= state["roundTripMs"] < 3000, state
+        assert state["endToEndMs"] >= state["roundTripMs"] + state["playbackBufferMs"], state
+        shown = page.evaluate("[document.getElementById('latency').textContent, window.demoState.endToEndMs]")
+        assert shown[0] == f"{shown[1]} ms", shown
+        # level meters: speech in, speech out
+        assert -50 < state["inputLevelDb"] < 0 and -80 < state["outputLevelDb"] < 0, state
+        assert page.evaluate("document.getElementById('level-in').value") > -50
+        # both live spectrograms scroll (one column per half FFT) and are painted
+        cols = state["spectrogramColumns"]
+        assert cols["input"] > 50 and cols["output"] > 50, cols
+        for cid in ("live-in", "live-out"):
+            assert lit(page, cid) > 0.1, cid
         # the plot really shows the competition: coloured cells in the layer rows of the canvas
         coloured = page.evaluate("""(() => {
             const c = document.getElementById('plot'), g = c.getContext('2d');
@@ -57,17 +71,29 @@ def test_demo_start_stream_stop_start_again_without_a_page_error(live, browser_a
             return n / (d.length / 4);
         })()""")
         assert coloured > 0.1, f"only {coloured:.1%} of the plot area is coloured"
-        page.evaluate("document.querySelector('input[value=original]').click()", user_gesture=True)
+        path = ARTIFACTS / "demo" / "live-view.png"
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path, full_page=True)
+        with capsys.disabled():
+            print(f"\n  screenshot: {path}")
+        # the raw state is behind "Details", closed; Enter on its summary opens it
+        assert page.evaluate("[document.getElementById('details').open, document.getElementById('results').checkVisibility()]") == [False, False]
+        assert '"chunksSent"' in page.evaluate("document.getElementById('results').textContent")
+        page.tab_to("el.tagName === 'SUMMARY'")
+        page.press("Enter")
+        assert page.evaluate("document.getElementById('results').checkVisibility()") is True
+        page.evaluate("document.querySelector('input[name=mode][value=original]').click()", user_gesture=True)
         assert page.evaluate("window.demoState.mode") == "original"
 
-        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        page.tab_to("el.id === 'stop'", shift=True)
+        page.press("Enter")
         assert page.wait_for("window.demoState.status === 'stopped'", 10), page.evaluate("window.demoState")
         page.pump(2.0)  # the server sends the enhanced tail and closes after the stop
         live.wait_idle()
         first = page.evaluate("window.demoState.enhancedSamples")
 
         page.evaluate("document.getElementById('start').click()", user_gesture=True)
-        again = page.wait_for(STREAMING.format(n=first + 48000), 40) or page.evaluate("window.demoState")
+        again = page.wait_for(STREAMING.format(n=first + rate), 40) or page.evaluate("window.demoState")
         assert again["status"] == "streaming" and again["error"] is None, again
         page.evaluate("document.getElementById('stop').click()", user_gesture=True)
         assert page.wait_for("window.demoState.status === 'stopped'", 10)

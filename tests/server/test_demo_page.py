@@ -250,3 +250,93 @@ def test_file_view_shows_server_errors_in_words(live, browser_available, tmp_pat
     finally:
         page.close()
     live.wait_idle()
+
+
+NO_OVERFLOW = "document.documentElement.scrollWidth <= window.innerWidth && document.body.scrollWidth <= window.innerWidth"
+
+
+def test_phone_sized_window_both_views_without_horizontal_overflow(live, browser_available, tmp_path, capsys):
+    """390 x 844 CSS px with touch (a phone): the file view with a result and the live view while
+    streaming both fit the width (no horizontal scrolling) and work."""
+    wav = noisy_wav(tmp_path)
+    page = Chromium(live.base + "/", wav, width=390, height=844, mobile=True)
+    try:
+        assert page.wait_for("document.readyState === 'complete' && !!window.fileState", 20)
+        assert page.evaluate("window.innerWidth") == 390
+        assert page.evaluate(NO_OVERFLOW), page.evaluate("[document.documentElement.scrollWidth, innerWidth]")
+        page.choose_files(lambda: page.evaluate("document.getElementById('drop').click()", user_gesture=True), [wav])
+        assert page.wait_for("window.fileState.status === 'ready'", 60), page.evaluate("window.fileState")
+        page.evaluate("new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        assert page.evaluate(NO_OVERFLOW), page.evaluate("[document.documentElement.scrollWidth, innerWidth]")
+        widths = page.evaluate("['spec-original', 'spec-enhanced'].map(id => document.getElementById(id).getBoundingClientRect().right)")
+        assert all(0 < w <= 390 for w in widths), widths
+        assert drawn(page, "spec-enhanced")["lit"] > 0.2
+        shot(page, "file-view-narrow.png", capsys)
+
+        page.evaluate("document.getElementById('tab-live').click()", user_gesture=True)
+        assert page.wait_for("document.body.dataset.view === 'live'", 5)
+        page.evaluate("document.getElementById('start').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'streaming' && window.demoState.spectrogramColumns.output > 50", 40), \
+            page.evaluate("window.demoState")
+        assert page.evaluate(NO_OVERFLOW), page.evaluate("[document.documentElement.scrollWidth, innerWidth]")
+        page.evaluate("window.scrollTo(0, 0)")
+        shot(page, "live-view-narrow.png", capsys)
+        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'stopped'", 10)
+        page.pump(1.5)
+        assert page.errors() == []
+    finally:
+        page.close()
+    live.wait_idle()
+
+
+def test_with_an_api_key_typed_in_or_in_the_address(live_auth, browser_available, tmp_path):
+    """A server with an API key: without one the upload is refused in words and the key field gets
+    the focus; a wrong key is refused; the right key typed in works. Opened as /?api_key=KEY, the
+    page uses the key for the upload (header) and for the microphone stream (query)."""
+    key = live_auth.settings.api_key
+    wav = noisy_wav(tmp_path)
+    choose = lambda page: page.choose_files(  # noqa: E731
+        lambda: page.evaluate("document.getElementById('drop').click()", user_gesture=True), [wav])
+    page = Chromium(live_auth.base + "/")
+    try:
+        assert page.wait_for("document.readyState === 'complete' && !document.getElementById('key-label').hidden", 20)
+        choose(page)
+        assert page.wait_for(READY, 30)
+        err = page.evaluate("window.fileState.error")
+        assert (err["status"], err["title"]) == (401, "An API key is needed"), err
+        assert page.evaluate("document.activeElement.id") == "api-key"
+        page.call("Input.insertText", text="not-the-key")
+        choose(page)
+        assert page.wait_for(READY, 30)
+        assert page.evaluate("window.fileState.error.title") == "The API key is not valid"
+        page.evaluate("document.getElementById('api-key').value = ''")
+        page.evaluate("document.getElementById('api-key').focus()")
+        page.call("Input.insertText", text=key)
+        choose(page)
+        assert page.wait_for(READY, 60)
+        assert page.evaluate("window.fileState.status") == "ready", page.evaluate("window.fileState")
+        assert refused_upload_lines(page.errors(), {401, 403}) == []
+    finally:
+        page.close()
+    live_auth.wait_idle()
+
+    page = Chromium(live_auth.base + f"/?api_key={key}#live", wav)
+    try:
+        assert page.wait_for("document.readyState === 'complete' && !!window.demoState", 20)
+        assert page.evaluate("[document.getElementById('key-label').hidden, document.getElementById('api-key').value]") == [False, key]
+        page.evaluate("document.getElementById('start').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > 24000", 40), \
+            page.evaluate("window.demoState")
+        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'stopped'", 10)
+        page.pump(1.0)
+        live_auth.wait_idle()
+        page.evaluate("location.hash = '#file'")
+        choose(page)
+        assert page.wait_for(READY, 60)
+        assert page.evaluate("window.fileState.status") == "ready", page.evaluate("window.fileState")
+        assert page.errors() == []
+    finally:
+        page.close()
+    live_auth.wait_idle()
