@@ -185,12 +185,12 @@ async function received(xhr, mine) {
   progress("decoding", null, "Drawing the spectrograms");
   const first = !original;
   if (first) {
-    const decoded = await analyse(await file.arrayBuffer(), rate, "original");
+    const decoded = await analyse(await file.arrayBuffer(), rate);
     if (mine !== run) return; // another file or limit was chosen meanwhile
     original = decoded;
     state.decoded.original = !!original.buffer;
   }
-  const decoded = await analyse(body.slice(0), rate, "enhanced");
+  const decoded = await analyse(body.slice(0), rate);
   if (mine !== run) return;
   enhanced = decoded;
   state.decoded.enhanced = !!enhanced.buffer;
@@ -206,9 +206,14 @@ async function received(xhr, mine) {
   }
   if (scale) drawColourBar($("file-scale"), scale[0], scale[1]);
   player.load(original.buffer, enhanced.buffer);
-  const notes = [original, enhanced].filter((a) => a.error).map((a) => a.error);
-  $("play-note").textContent = notes.join(" ");
-  $("play-note").hidden = !notes.length;
+  // what the browser could not decode (e.g. AIFF, CAF, W64 in Chromium) is still enhanced and downloadable
+  const playable = !!(original.buffer || enhanced.buffer);
+  const failed = [["original", original], ["enhanced", enhanced]].filter(([, a]) => !a.buffer).map(([k]) => k);
+  $("play-note").textContent = !failed.length ? "" : `This browser cannot decode ${ext.toUpperCase()} audio, so it cannot ` +
+    `play or draw the ${failed.join(" and the ")} file${failed.length > 1 ? "s" : ""}; the download works.`;
+  $("play-note").hidden = !failed.length;
+  for (const id of ["play", "seek", "ab-original", "ab-enhanced"]) $(id).disabled = !playable;
+  $("spectrograms").hidden = !playable;
 
   $("file-info").textContent = `${file.name} · ${rate} Hz · ${channels === 1 ? "mono" : channels === 2 ? "stereo" : `${channels} channels`}` +
     ` · ${clock(frames / rate, 0.1)} · ${ext.toUpperCase()} · enhanced in ${(state.enhanceMs / 1000).toFixed(1)} s` +
@@ -224,7 +229,7 @@ async function received(xhr, mine) {
 
 /** Decodes a file at its own sample rate and computes its spectrogram (both null if the browser
  * cannot decode the format; the download still works). */
-async function analyse(bytesBuffer, rate, which) {
+async function analyse(bytesBuffer, rate) {
   let ctx;
   try {
     ctx = new OfflineAudioContext(1, 1, rate >= 3000 && rate <= 768000 ? rate : 48000);
@@ -235,7 +240,7 @@ async function analyse(bytesBuffer, rate, which) {
     const buffer = await ctx.decodeAudioData(bytesBuffer);
     return { buffer, spec: stft(monoOf(buffer), buffer.sampleRate) };
   } catch {
-    return { buffer: null, spec: null, error: `This browser cannot decode the ${which} file's format, so it cannot play or draw it; the download works.` };
+    return { buffer: null, spec: null };
   }
 }
 
