@@ -7,6 +7,7 @@ go to artifacts/demo/ (not committed)."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def test_file_view_by_keyboard_upload_ab_switch_download_and_rerun(live, browser
             d = drawn(page, cid)
             assert d["lit"] > 0.2 and d["colours"] > 100, (cid, d)
         differ = page.evaluate("""(() => {
-            const px = id => { const c = document.getElementById(id); return c.getContext('2d').getImageData(0, 0, c.width, c.height).data; };
+            const px = id => (c => c.getContext('2d').getImageData(0, 0, c.width, c.height).data)(document.getElementById(id));
             const a = px('spec-original'), b = px('spec-enhanced'); let s = 0;
             for (let i = 0; i < a.length; i += 4) s += Math.abs(a[i] - b[i]) + Math.abs(a[i + 1] - b[i + 1]);
             return s / (a.length / 4);
@@ -127,7 +128,8 @@ def test_file_view_by_keyboard_upload_ab_switch_download_and_rerun(live, browser
         page.tab_to("el.id === 'play'", shift=True)
         page.press(" ")
         assert page.wait_for("window.fileState.playing && window.filePlayer.position() > 0.4", 10)
-        gains = "(() => { const n = window.filePlayer.nodes; return {original: n.original.gain.gain.value, enhanced: n.enhanced.gain.gain.value}; })()"
+        gains = ("(n => ({original: n.original.gain.gain.value, enhanced: n.enhanced.gain.gain.value}))"
+                 "(window.filePlayer.nodes)")
         assert page.evaluate(gains) == {"original": 0, "enhanced": 1}
         page.tab_to("el.name === 'ab'")
         before = page.evaluate("window.filePlayer.position()")
@@ -149,7 +151,8 @@ def test_file_view_by_keyboard_upload_ab_switch_download_and_rerun(live, browser
         # the attenuation limit re-runs the same file; the new download is the REST answer for it
         page.tab_to("el.id === 'file-atten'", shift=True)
         page.press("ArrowDown")  # none -> 6 dB
-        assert page.wait_for("window.fileState.runs === 2 && window.fileState.status === 'ready'", 60), page.evaluate("window.fileState")
+        assert page.wait_for("window.fileState.runs === 2 && window.fileState.status === 'ready'", 60), \
+            page.evaluate("window.fileState")
         state = page.evaluate("window.fileState")
         assert state["atten"] == 6 and state["downloadName"] == "p287_noisy-enhanced-6dB.wav", state
         assert page.evaluate("[window.fileState.listen, window.filePlayer.position()]") == ["enhanced", paused]
@@ -181,11 +184,14 @@ def test_file_view_drag_and_drop_of_a_stereo_flac(live, browser_available, tmp_p
         assert state["status"] == "ready" and state["name"] == "interview.flac", state
         assert (state["channels"], state["frames"], state["sampleRate"], state["format"]) == (2, len(x), sr, "FLAC"), state
         assert state["columns"]["original"] == state["columns"]["enhanced"] > 100
-        got = page.evaluate("fetch(document.getElementById('download').href).then(r => r.arrayBuffer())"
-                            ".then(b => { let s = ''; const u = new Uint8Array(b); for (let i = 0; i < u.length; i++) s += String.fromCharCode(u[i]); return btoa(s); })")
+        got = page.evaluate("""fetch(document.getElementById('download').href).then(r => r.arrayBuffer()).then(b => {
+            let s = ''; const u = new Uint8Array(b);
+            for (let i = 0; i < u.length; i++) s += String.fromCharCode(u[i]);
+            return btoa(s);
+        })""")
         body = base64.b64decode(got)
         assert body == rest(live.base, flac, "audio/flac")
-        y, rate = sf.read(__import__("io").BytesIO(body))
+        y, rate = sf.read(io.BytesIO(body))
         assert y.shape == stereo.shape and rate == sr
         assert drawn(page, "spec-enhanced")["lit"] > 0.2
         assert page.errors() == []
