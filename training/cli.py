@@ -25,7 +25,7 @@ from .competition import add_competition
 from .evaluate import add_eval
 from .manifests import DataError
 from .devset import add_devset
-from .peers import add_bench_peers
+from .peers.cli import add_bench_peers
 from .plots import add_plot
 from .synth_noise import add_synth_noise
 

@@ -171,7 +171,7 @@ def test_run_reports_model_and_device_problems_plainly(tmp_path, model_path):
 
 
 def test_serving_process_does_not_import_torch(model_path):
-    code = ("import sys, server, server.app, server.rest, server.ws, server.scheduler, server.loadtest; "
+    code = ("import sys, server, server.app, server.rest, server.ws, server.scheduler, server.tools.loadtest; "
             f"from server.settings import Settings; app = server.create_app(Settings.build(model={str(model_path)!r})); "
             "from server.scheduler import Scheduler; s = Scheduler(app.state.settings, app.state.metrics); s.start(); "
             "s.stop(); assert 'torch' not in sys.modules, 'torch was imported'; print('ok')")

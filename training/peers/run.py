@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .peers_adapters import make_peer, single_thread
-from .peers_align import as_mono
-from .peers_pairs import Pair
-from .peers_score import METRICS, score
+from .adapters import make_peer, single_thread
+from .align import as_mono
+from .pairs import Pair
+from .score import METRICS, score
 
 WARMUP_SECONDS = 1.0
 
