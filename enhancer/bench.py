@@ -78,7 +78,7 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0,
     res = {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
         "provider": enh.provider, "weights": enh.engine.weights, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
-        "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.window,
+        "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.attention_window,
         "step": [],
     }
     for b in batches:
