@@ -45,7 +45,7 @@ def load_dev_pairs(folder, limit: int | None = None) -> list[tuple[str, np.ndarr
     """(name, noisy, clean) of `folder/noisy` and `folder/clean` at 16 kHz; with `limit`, an evenly
     spaced selection in name order (the dev sets' names cycle through SNRs and noise kinds, so an even
     spacing keeps every SNR and kind)."""
-    from .evaluate import read16k
+    from .audio_cache import read16k
     from .layouts import paired_folders
 
     folder = Path(folder)

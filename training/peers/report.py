@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..devnames import KINDS, kind_of
-from .score import LABELS, METRICS, SCORE_RATE
+from ..metrics import LABELS
+from .score import METRICS, SCORE_RATE
 
 CSV_COLUMNS = ("peer", "file", "snr", "seconds", "enhance_seconds", "rtf", *METRICS, "error")
 REFERENCE = "noisy"
