@@ -14,13 +14,14 @@ import tempfile
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from .devices import DEVICES, providers_for
 from .errors import EnhancerError
 
 
 def _enhancer(model: str | None, device: str = "auto", preset: str | None = None, int8: bool = False):
     from .runtime import Enhancer
 
-    providers = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}[device]
+    providers = providers_for(device)
     if preset:  # random weights, for speed measurements of a preset without a trained model (needs torch)
         from . import ModelConfig, build_model
         from .export import export_step
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", required=True, help="output file (one input file) or folder")
     d.add_argument("--atten-lim-db", type=float, default=None, help="limit noise attenuation to this many dB")
     d.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
-    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    d.add_argument("--device", choices=DEVICES, default="auto")
     d.add_argument("-q", "--quiet", action="store_true")
     d.set_defaults(fn=cmd_denoise)
 
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="step latency, throughput, real-time factor, memory")
     b.add_argument("--model", default=None)
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
-    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    b.add_argument("--device", choices=DEVICES, default="auto")
     b.add_argument("--steps", type=int, default=300)
     b.add_argument("--int8", action="store_true", help="with --preset: export it with 8-bit weights (export --int8)")
     b.add_argument("--json", action="store_true")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
 from .step_io import STEP_FORMAT, StepOutputs, init_rings, init_states, input_names, output_names, write_rings
 from .signal import StreamResampler, check_audio, check_rate
@@ -86,9 +87,9 @@ class Engine:
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        if providers is None:
+        if providers is None:  # "auto"
             avail = ort.get_available_providers()
-            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
+            providers = [p for p in PROVIDERS["cuda"] if p in avail]
         try:
             self.session = ort.InferenceSession(str(path), so, providers=list(providers))
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from enhancer.devices import DEVICES
+
 
 def add_serve(sub) -> argparse.ArgumentParser:
     """Add `serve` to the `enhancer` command's sub-parsers (`sub`)."""
@@ -14,7 +16,7 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model", default=None)
-    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    s.add_argument("--device", choices=DEVICES, default="auto")
     s.add_argument("--workers", type=int, default=1, help="inference workers (one onnxruntime session each)")
     s.add_argument("--max-streams", type=int, default=64, help="upper bound of live streams (the measured capacity "
                    "admits at most this many)")

@@ -34,7 +34,8 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from .audio_io import ENCODINGS, decode_pcm, encode_pcm
 from .aio import timeout as _timeout
 from .errors import ServiceError, too_large
-from .scheduler import Delivery, Job
+from .commands import Delivery
+from .scheduler import Job
 
 log = logging.getLogger("tim_enhancer.server")
 
