@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import SAMPLE_RATE, ModelConfig
 from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
 from .step_io import STEP_FORMAT, StepOutputs, init_rings, init_states, input_names, output_names, write_rings
@@ -219,7 +219,7 @@ class StreamingEnhancer:
     `put_outputs()` do the same for a backlog of n hops of one stream in one call (`LanePool.run`).
     """
 
-    def __init__(self, engine: Engine, sample_rate: int = 16000, channels: int = 1, atten_lim_db: float | None = None,
+    def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
                  metadata: bool = False, pool: LanePool | None = None):
         self.engine, self.config = engine, engine.config
         self.sample_rate = check_rate(sample_rate)
@@ -423,7 +423,7 @@ class Enhancer:
     def latency_ms(self) -> float:
         return self.config.algorithmic_latency_ms
 
-    def stream(self, sample_rate: int = 16000, channels: int = 1, atten_lim_db: float | None = None,
+    def stream(self, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
                metadata: bool = False, pool: LanePool | None = None) -> StreamingEnhancer:
         return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool)
 
