@@ -91,10 +91,11 @@ class Job:
     """The event-loop side of one stream: enqueue audio, await deliveries. Not thread-safe: use it
     from the event loop only."""
 
-    def __init__(self, scheduler: "Scheduler", worker: Worker, sample_rate: int, channels: int, metadata: bool,
-                 source: str):
+    def __init__(self, scheduler: "Scheduler", worker: Worker, lanes: WorkerLanes, sample_rate: int, channels: int,
+                 metadata: bool, source: str):
         self.id = next(scheduler._ids)
         self.scheduler, self.worker = scheduler, worker
+        self.lanes = lanes  # the worker's entry of the scheduler's ledger, where this job's lanes are reserved
         self.sample_rate, self.channels, self.metadata, self.source = sample_rate, channels, metadata, source
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
@@ -102,7 +103,6 @@ class Job:
         self.acked = 0  # pushes fully processed
         self.ended = False
         self.closed = False
-        self.lanes: WorkerLanes | None = None  # the worker's ledger entry its lanes are reserved in (set on admission)
 
     def push(self, pcm: np.ndarray) -> int:
         """Queue audio (n,) or (n, channels); returns its sequence number."""
@@ -300,8 +300,7 @@ class Scheduler:
             raise self.over_capacity(source)
         if ledger.free < channels:
             raise ServiceError("over_capacity", "no free inference lanes; retry later", retry_after_s=REST_RETRY_S)
-        job = Job(self, self.workers[i], sample_rate, channels, bool(metadata), source)
-        job.lanes = ledger
+        job = Job(self, self.workers[i], ledger, sample_rate, channels, bool(metadata), source)
         ledger.free -= channels
         if source == "stream":
             ledger.live += channels
