@@ -5,8 +5,7 @@ Inference (`Enhancer`, `StreamingEnhancer`) needs numpy, onnxruntime, soundfile 
 """
 from .config import ModelConfig, STFTConfig
 from .errors import AudioDecodeError, AudioError, CheckpointError, EnhancerError
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "ModelConfig", "STFTConfig", "build_model", "save_checkpoint", "load_checkpoint",

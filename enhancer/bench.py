@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from .config import SAMPLE_RATE
 from .runtime import OFFLINE_FRAMES, Enhancer, LanePool
 
 BATCHES = (1, 4, 16, 32, 64)
@@ -78,7 +79,7 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0,
     res = {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
         "provider": enh.provider, "weights": enh.engine.weights, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
-        "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.window,
+        "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.attention_window,
         "step": [],
     }
     for b in batches:
@@ -104,17 +105,17 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0,
     res["cores"] = cores
     res["suggested_workers"] = cores
     res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * cores)
-    x = (np.random.default_rng(1).standard_normal(int(seconds * 16000)) * 0.05).astype(np.float32)
+    x = (np.random.default_rng(1).standard_normal(int(seconds * SAMPLE_RATE)) * 0.05).astype(np.float32)
     bar.set_postfix_str(f"offline enhance of {seconds:g} s, then T = {', '.join(map(str, OFFLINE_SWEEP))}")
-    enh.enhance(x[:16000], 16000)  # warm up the multi-frame shapes
+    enh.enhance(x[:SAMPLE_RATE], SAMPLE_RATE)  # warm up the multi-frame shapes
     t0, c0 = time.perf_counter(), time.process_time()
-    enh.enhance(x, 16000)
+    enh.enhance(x, SAMPLE_RATE)
     res["offline_rtf"] = (time.perf_counter() - t0) / seconds
     res["offline_rtf_cpu"] = (time.process_time() - c0) / seconds
     res["offline_frames"] = OFFLINE_FRAMES
     res["offline"] = []
     for t in OFFLINE_SWEEP:
-        wall, cpu = time_offline(enh, x[: int(min(seconds, 4.0 if t == 1 else seconds) * 16000)], t)
+        wall, cpu = time_offline(enh, x[: int(min(seconds, 4.0 if t == 1 else seconds) * SAMPLE_RATE)], t)
         res["offline"].append({"frames": t, "rtf": wall, "rtf_cpu": cpu})
     res["offline_best_frames"] = min(res["offline"], key=lambda r: r["rtf_cpu"])["frames"]
     bar.update()

@@ -22,7 +22,7 @@ def versions() -> dict[str, str]:
     import numpy
     import torch
 
-    from . import __version__
+    from .version import __version__
 
     return {"enhancer": str(__version__), "torch": str(torch.__version__), "numpy": str(numpy.__version__),
             "python": platform.python_version()}
@@ -86,7 +86,7 @@ def load_checkpoint(path, config: ModelConfig | None = None):
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: invalid config in checkpoint: {e}") from None
     if config is not None and config != stored:
-        diff = [k for k, v in config.to_dict().items() if blob["config"].get(k) != v]
+        diff = [k for k, v in config.to_dict().items() if stored.to_dict().get(k) != v]
         raise CheckpointError(f"{path}: checkpoint config differs from the requested one in: {', '.join(diff)}")
     model = build_model(stored)
     state = blob["state_dict"]

@@ -1,4 +1,9 @@
-"""`enhancer` command line: denoise, serve, export, info, bench."""
+"""`enhancer` command line: denoise, export, info, bench, and the sub-commands other installed
+packages add through the entry point group `enhancer.commands` (the service's `serve`).
+
+An entry of that group is a function `add(subparsers)` that adds one sub-command whose parsed
+arguments carry `fn`, the function to run; the core never imports the packages that provide them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,15 +11,17 @@ import json
 import os
 import sys
 import tempfile
+from importlib.metadata import entry_points
 from pathlib import Path
 
+from .devices import DEVICES, providers_for
 from .errors import EnhancerError
 
 
 def _enhancer(model: str | None, device: str = "auto", preset: str | None = None, int8: bool = False):
     from .runtime import Enhancer
 
-    providers = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}[device]
+    providers = providers_for(device)
     if preset:  # random weights, for speed measurements of a preset without a trained model (needs torch)
         from . import ModelConfig, build_model
         from .export import export_step
@@ -108,7 +115,7 @@ def cmd_info(a) -> int:
     info = {
         "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
         "stream_delay_samples_16k": cfg.delay_samples, "lookahead_frames": cfg.lookahead,
-        "attention_window_frames": cfg.window, **extra, "config": cfg.to_dict(),
+        "attention_window_frames": cfg.attention_window, **extra, "config": cfg.to_dict(),
     }
     print(json.dumps(info, indent=2))
     return 0
@@ -126,14 +133,6 @@ def cmd_bench(a) -> int:
                       steps=a.steps)
 
 
-def cmd_serve(a) -> int:
-    import server
-
-    server.run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers,
-               max_streams=a.max_streams, api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="enhancer", description="Real-time speech enhancement (TIM).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -143,24 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", required=True, help="output file (one input file) or folder")
     d.add_argument("--atten-lim-db", type=float, default=None, help="limit noise attenuation to this many dB")
     d.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
-    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    d.add_argument("--device", choices=DEVICES, default="auto")
     d.add_argument("-q", "--quiet", action="store_true")
     d.set_defaults(fn=cmd_denoise)
-
-    s = sub.add_parser("serve", help="run the REST + websocket service")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default=None)
-    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    s.add_argument("--workers", type=int, default=1, help="inference workers (one onnxruntime session each)")
-    s.add_argument("--max-streams", type=int, default=64, help="upper bound of live streams (the measured capacity "
-                   "admits at most this many)")
-    s.add_argument("--capacity", type=int, default=None, help="admit this many live streams instead of measuring "
-                   "the capacity at start-up")
-    s.add_argument("--capacity-margin", type=float, default=None, help="share of the 16 ms hop the step's p99 must "
-                   "leave free when measuring the capacity (default 0.4)")
-    s.add_argument("--api-key", default=None, help="require this key (default: $TIM_ENHANCER_API_KEY if set)")
-    s.set_defaults(fn=cmd_serve)
 
     e = sub.add_parser("export", help="export a checkpoint's streaming step graph to ONNX")
     e.add_argument("checkpoint")
@@ -183,12 +167,39 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="step latency, throughput, real-time factor, memory")
     b.add_argument("--model", default=None)
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
-    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    b.add_argument("--device", choices=DEVICES, default="auto")
     b.add_argument("--steps", type=int, default=300)
     b.add_argument("--int8", action="store_true", help="with --preset: export it with 8-bit weights (export --int8)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=cmd_bench)
+    add_plugin_commands(sub)
     return p
+
+
+COMMANDS_GROUP = "enhancer.commands"
+
+
+def add_plugin_commands(sub) -> None:
+    """The sub-commands of installed packages (entry point group `enhancer.commands`), by name. One
+    that cannot load is listed with the reason and fails with it when called."""
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            add = ep.load()
+        except ImportError as e:
+            _unavailable(sub, ep.name, f"{type(e).__name__}: {e}")
+            continue
+        add(sub)
+
+
+def _unavailable(sub, name: str, reason: str) -> None:
+    # no option characters: whatever follows the name is taken as is, to fail with the reason
+    p = sub.add_parser(name, help=f"(not available here: {reason})", add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs="*")
+
+    def fail(_a) -> int:
+        raise EnhancerError(f"`enhancer {name}` cannot run here: {reason}")
+
+    p.set_defaults(fn=fail)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,7 +73,7 @@ class ModelConfig:
     inter_head_dim: int = 32
     dropout: float = 0.1
     leaky_slope: float = 0.01
-    window: int = 128  # attention window in frames (each frame sees itself and W-1 past frames)
+    attention_window: int = 128  # frames each frame attends to: itself and W-1 past frames
     # signal / output
     log_eps: float = 1e-4  # log(|X| + eps) on the magnitude of a full-scale-1.0 signal's STFT
     stft: STFTConfig = field(default_factory=STFTConfig)
@@ -90,7 +90,7 @@ class ModelConfig:
         if name not in _PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(_PRESETS)}")
         cfg = dataclasses.replace(cls(), name=name, **_PRESETS[name])
-        cfg = dataclasses.replace(cfg, **overrides) if overrides else cfg
+        cfg = dataclasses.replace(cfg, **_renamed(overrides)) if overrides else cfg
         cfg.validate()
         return cfg
 
@@ -140,8 +140,8 @@ class ModelConfig:
             )
         if self.first_plain + self.last_plain > self.n_layers:
             problems.append("first_plain + last_plain exceeds n_layers")
-        if self.window < 1:
-            problems.append("window must be >= 1 frame")
+        if self.attention_window < 1:
+            problems.append("attention_window must be >= 1 frame")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -153,11 +153,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """The config of `to_dict`, also as stored before a field was renamed (`RENAMED`: the
+        checkpoints, exported models and run folders written then)."""
+        d = _renamed(d)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {', '.join(unknown)}")
-        d = dict(d)
         if "stft" in d:
             sknown = {f.name for f in fields(STFTConfig)}
             bad = sorted(set(d["stft"]) - sknown)
@@ -169,6 +171,20 @@ class ModelConfig:
         cfg = cls(**d)
         cfg.validate()
         return cfg
+
+
+# Fields stored under another name before: old name -> field. `window` was the attention window in
+# frames (not `STFTConfig.window`, the analysis window's name).
+RENAMED = {"window": "attention_window"}
+
+
+def _renamed(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with old field names (`RENAMED`) replaced by the current ones."""
+    out = {RENAMED.get(k, k): v for k, v in d.items()}
+    both = [k for k, new in RENAMED.items() if k in d and new in d]
+    if both:
+        raise ValueError(f"ModelConfig: give either {both[0]!r} or {RENAMED[both[0]]!r}, not both")
+    return out
 
 
 _PRESETS: dict[str, dict[str, Any]] = {

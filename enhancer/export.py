@@ -41,9 +41,9 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     import onnx
     import torch
 
-    from . import __version__
-    from .model import StreamingStep, count_parameters, init_caches
-    from .layout import STEP_FORMAT, input_names, output_names
+    from .version import __version__
+    from .model import StreamingStep, count_parameters
+    from .step_io import STEP_FORMAT, init_caches, input_names, output_names
 
     def _say(msg: str) -> None:
         if verbose:
@@ -102,8 +102,8 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     if check:
         _say("checking the graph (onnx.checker, full check)")
         onnx.checker.check_model(str(path), full_check=True)
-        n = n_check_steps or 3 * cfg.window + 8
-        _say(f"comparing onnxruntime with torch over {n} frames of random audio, in calls of 1 to {cfg.window + 5} "
+        n = n_check_steps or 3 * cfg.attention_window + 8
+        _say(f"comparing onnxruntime with torch over {n} frames of random audio, in calls of 1 to {cfg.attention_window + 5} "
              "frames, lanes at different positions")
         parity = compare_with_torch(step, path, batch, n, progress=verbose)
         report.update({k: parity[k] for k in ("max_abs_diff", "max_rel_diff", "parity_snr_db")})
@@ -159,44 +159,48 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0, stag
     import torch
     from tqdm import tqdm
 
-    from .layout import init_caches, output_names, state_specs, write_rings
+    from .step_io import StepOutputs, init_rings, init_states, write_rings
 
     cfg = step.config
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    onnx_out = [o.name for o in sess.get_outputs()]
     rng = np.random.default_rng(seed)
-    n_state = len(state_specs(cfg))
-    n_head = len(output_names(cfg)) - n_state
-    stagger = cfg.window // 3 + 1 if stagger is None else stagger
+    stagger = cfg.attention_window // 3 + 1 if stagger is None else stagger
     start = np.arange(batch) * stagger  # the step at which each lane (re)starts
-    np_c = init_caches(cfg, batch)
-    t_c = [torch.from_numpy(c.copy()) for c in np_c]
+    np_states, np_rings = init_states(cfg, batch), init_rings(cfg, batch)
+    t_states, t_rings = [torch.from_numpy(c.copy()) for c in np_states], torch.from_numpy(np_rings.copy())
     pos = np.zeros(batch, dtype=np.int64)
     min_gain = np.linspace(0.0, 0.3, batch).astype(np.float32)
     names = [i.name for i in sess.get_inputs()]
     worst, peak, energy, diff = 0.0, 0.0, 0.0, 0.0
     with torch.no_grad():
         joined = start == 0
-        chunks = split_at(check_chunks(cfg.window, n_steps), start)
+        chunks = split_at(check_chunks(cfg.attention_window, n_steps), start)
         done = 0
         for t in tqdm(chunks, desc="onnxruntime vs torch", unit="call", disable=not progress, leave=False):
             joining = ~joined & (start <= done)
             if joining.any():  # a new stream takes the lane: clear its caches
-                for a, b in zip(np_c, t_c):
+                lanes = torch.from_numpy(joining)
+                for a, b in zip(np_states, t_states):
                     a[joining] = 0.0
-                    b[torch.from_numpy(joining)] = 0.0
+                    b[lanes] = 0.0
+                np_rings[:, joining] = 0.0
+                t_rings[:, lanes] = 0.0
                 pos[joining] = 0
                 joined |= joining
             hops = (rng.standard_normal((batch, t, cfg.stft.hop)) * 0.1).astype(np.float32)
-            o = sess.run(None, dict(zip(names, [hops, min_gain, pos, *np_c])))
-            r = step(torch.from_numpy(hops), torch.from_numpy(min_gain), torch.from_numpy(pos), *t_c)
-            ref = r[0].numpy().astype(np.float64)
+            o = StepOutputs.decode(cfg, sess.run(None, dict(zip(names, [hops, min_gain, pos, *np_states, *np_rings]))),
+                                   onnx_out)
+            r = StepOutputs.decode(cfg, step(torch.from_numpy(hops), torch.from_numpy(min_gain), torch.from_numpy(pos),
+                                             *t_states, *t_rings))
+            ref = r.out.numpy().astype(np.float64)
             done += t
-            d = o[0] - ref
+            d = o.out - ref
             worst, peak = max(worst, float(np.abs(d).max())), max(peak, float(np.abs(ref).max()))
             energy, diff = energy + float((ref ** 2).sum()), diff + float((d ** 2).sum())
-            write_rings(np_c[n_state:], o[n_head - 1], pos, cfg.window)
-            write_rings(t_c[n_state:], r[n_head - 1], torch.from_numpy(pos), cfg.window)
-            np_c[:n_state], t_c[:n_state] = o[n_head:], list(r[n_head:])
+            write_rings(np_rings, o.kv_rows, pos, cfg.attention_window)
+            write_rings(t_rings, r.kv_rows, torch.from_numpy(pos), cfg.attention_window)
+            np_states, t_states = o.states, list(r.states)
             pos = pos + t
     snr = float("inf") if diff == 0 else float(10 * np.log10(energy / diff)) if energy > 0 else float("-inf")
     rel = 0.0 if worst == 0 else worst / peak if peak > 0 else float("inf")
@@ -238,11 +242,3 @@ def _store_fp16(proto, min_elements: int = 1024) -> None:
     proto.graph.node.extend(nodes)
     onnx.checker.check_model(proto)
 
-
-def read_metadata(path) -> dict:
-    """The tim-enhancer metadata of an exported model (config parsed into a ModelConfig)."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    meta = {p.key[len(META_PREFIX):]: p.value for p in proto.metadata_props if p.key.startswith(META_PREFIX)}
-    return meta

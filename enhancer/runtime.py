@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import SAMPLE_RATE, ModelConfig
+from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
-from .layout import STEP_FORMAT, input_names, output_names, ring_specs, state_specs, write_rings
+from .step_io import STEP_FORMAT, StepOutputs, init_rings, init_states, input_names, output_names, write_rings
 from .signal import StreamResampler, check_audio, check_rate
 
 PACKAGE_MODELS_DIR = Path(__file__).resolve().parent / "models"  # an installed wheel: enhancer/models/
@@ -86,9 +87,9 @@ class Engine:
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        if providers is None:
+        if providers is None:  # "auto"
             avail = ort.get_available_providers()
-            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
+            providers = [p for p in PROVIDERS["cuda"] if p in avail]
         try:
             self.session = ort.InferenceSession(str(path), so, providers=list(providers))
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
@@ -104,12 +105,9 @@ class Engine:
         self.metadata = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith("tim_enhancer.")}
         got_in = [i.name for i in self.session.get_inputs()]
         got_out = [o.name for o in self.session.get_outputs()]
-        if got_in != input_names(self.config) or got_out != output_names(self.config):
+        if got_in != input_names(self.config) or sorted(got_out) != sorted(output_names(self.config)):
             raise CheckpointError(f"{path}: graph inputs/outputs do not match its config {self.config.name!r}")
-        self.input_names = got_in
-        self.n_state = len(state_specs(self.config))
-        self.n_head = len(got_out) - self.n_state
-        self.with_comp = "competition" in got_out
+        self.input_names, self.output_names = got_in, got_out
 
     @property
     def provider(self) -> str:
@@ -125,9 +123,11 @@ class Engine:
         """How the weights are stored: fp32, fp16 (computed in float32) or int8 (8-bit dense layers)."""
         return self.metadata.get("weights", "fp32 or fp16")
 
-    def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> list[np.ndarray]:
-        """One graph call: hops (B, T, hop) for B streams whose first frame is at `pos` (B,)."""
-        return self.session.run(None, dict(zip(self.input_names, [hops, min_gain, pos, *caches])))
+    def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> StepOutputs:
+        """One graph call: hops (B, T, hop) for B streams whose first frame is at `pos` (B,); its
+        outputs decoded by the graph's output names."""
+        values = self.session.run(None, dict(zip(self.input_names, [hops, min_gain, pos, *caches])))
+        return StepOutputs.decode(self.config, values, self.output_names)
 
 
 class LanePool:
@@ -136,12 +136,12 @@ class LanePool:
     def __init__(self, engine: Engine, capacity: int):
         self.engine, self.capacity = engine, capacity
         cfg = engine.config
-        states = [np.zeros((capacity,) + shape, dtype=np.float32) for _, shape in state_specs(cfg)]
-        rings = ring_specs(cfg)
+        states = init_states(cfg, capacity)
         # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
         # are written with one assignment; each ring, and each lane range of it, is a contiguous view
         # (np.zeros: pages of lanes never used are never touched, so they cost no memory)
-        self.rings = np.zeros((len(rings), capacity) + rings[0][1], dtype=np.float32)
+        self.rings = init_rings(cfg, capacity)
+        self.n_state = len(states)
         self.caches = states + list(self.rings)
         self.pos = np.zeros(capacity, dtype=np.int64)
         self.free_lanes = list(range(capacity))
@@ -194,12 +194,12 @@ class LanePool:
         views = [c[lo:hi] for c in self.caches]  # contiguous views, no copies
         pos = self.pos[lo:hi]
         o = eng.run(h, g, pos.copy(), views)
-        write_rings(self.rings, o[eng.n_head - 1][sel], pos[sel], eng.config.window, lanes)
-        for view, new in zip(views[:eng.n_state], o[eng.n_head:]):
+        write_rings(self.rings, o.kv_rows[sel], pos[sel], eng.config.attention_window, lanes)
+        for view, new in zip(views[:self.n_state], o.states):
             view[sel] = new[sel]
         pos[sel] += hops.shape[1]
-        comp = o[1][sel] if eng.with_comp else None
-        return StepResult(out=o[0][sel], competition=comp, activity=o[eng.n_head - 2][sel])
+        comp = None if o.competition is None else o.competition[sel]
+        return StepResult(out=o.out[sel], competition=comp, activity=o.activity[sel])
 
 
 class StreamingEnhancer:
@@ -219,7 +219,7 @@ class StreamingEnhancer:
     `put_outputs()` do the same for a backlog of n hops of one stream in one call (`LanePool.run`).
     """
 
-    def __init__(self, engine: Engine, sample_rate: int = 16000, channels: int = 1, atten_lim_db: float | None = None,
+    def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
                  metadata: bool = False, pool: LanePool | None = None):
         self.engine, self.config = engine, engine.config
         self.sample_rate = check_rate(sample_rate)
@@ -423,7 +423,7 @@ class Enhancer:
     def latency_ms(self) -> float:
         return self.config.algorithmic_latency_ms
 
-    def stream(self, sample_rate: int = 16000, channels: int = 1, atten_lim_db: float | None = None,
+    def stream(self, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
                metadata: bool = False, pool: LanePool | None = None) -> StreamingEnhancer:
         return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool)
 

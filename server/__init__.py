@@ -1,19 +1,21 @@
 """The tim-enhancer service: REST and websocket streaming over batched ONNX inference.
 
     import server
-    server.run(host="127.0.0.1", port=8000)            # what `enhancer serve` calls
+    server.run(host="127.0.0.1", port=8000)            # what `enhancer serve` calls (server.cli)
     app = server.create_app(server.Settings.build())   # the ASGI app (tests, other servers)
 
-No torch in this package: inference is `enhancer.runtime` (numpy + onnxruntime).
+No torch in this package: inference is `enhancer.runtime` (numpy + onnxruntime). Importing the
+package imports neither uvicorn nor FastAPI (the `enhancer` command loads `server.cli` to list its
+`serve` sub-command); `Server`, `StartupError` and `uvicorn_config` come from `serving` on first use.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from .serving import Server, StartupError, uvicorn_config
 from .settings import Settings
 
 __all__ = ["run", "create_app", "Settings", "Server", "StartupError", "uvicorn_config"]
+_SERVING = ("Server", "StartupError", "uvicorn_config")
 
 
 def create_app(settings: Settings | None = None):
@@ -39,3 +41,11 @@ def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "au
     settings = Settings.build(model=path, device=device, workers=workers, max_streams=max_streams, api_key=api_key,
                               **limits)
     serve(create_app(settings), settings, host, port)
+
+
+def __getattr__(name):
+    if name in _SERVING:
+        from . import serving
+
+        return getattr(serving, name)
+    raise AttributeError(f"module 'server' has no attribute {name!r}")

@@ -14,7 +14,7 @@ once more, and the lower p99 of the two runs counts.
 
 Calibration takes about `len(BATCHES) x REPS` hops (a few seconds) and stops early at the first
 batch size over the budget or at `deadline_s`. `Settings.capacity` replaces it with a fixed
-number (tests, or an operator who measured the machine with `python -m server.loadtest`).
+number (tests, or an operator who measured the machine with `python -m server.tools.loadtest`).
 """
 from __future__ import annotations
 

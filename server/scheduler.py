@@ -1,78 +1,101 @@
-"""Batched inference: worker threads step every stream with a pending hop in one `LanePool.step`.
+"""Batched inference, the event loop's side: admission of streams and files onto the inference
+workers (`server.worker`), and the `Job` a handler holds for each.
 
 The event loop never runs inference. Websocket and REST handlers hold a `Job` and only enqueue
-commands (`push`, `end`, `close`); each `Worker` thread owns one onnxruntime session and its
-`LanePool`, and repeats rounds:
-
-    apply queued commands -> gather every live stream with >= 1 ready hop -> one batched step ->
-    each file (REST job or flushing stream) with ready hops: one multi-frame call of its backlog ->
-    scatter outputs -> hand finished output to the loop (call_soon_threadsafe)
-
-A stream with nothing pending is simply not in the round, so it delays no one; new audio that
-arrives during a round joins the next one (dynamic batching, no added wait). Files run up to
-`FILE_FRAMES` hops per call (`LanePool.run`: every weight read once per chunk), or
-`FILE_FRAMES_BESIDE_LIVE` while live streams share the worker, so that a file never holds a live
-hop back for long. All pool and stream-state operations of a worker happen on its thread.
+commands (`server.commands`: `Open`, `Push`, `End`, `Close`); each `Worker` thread owns one lane
+pool on the shared onnxruntime session and steps every stream with a pending hop in one batched
+call per round. A stream with nothing pending is simply not in the round, so it delays no one; new
+audio that arrives during a round joins the next one (dynamic batching, no added wait).
 
 Admission and lateness (README, "Capacity, admission and lateness"): the scheduler admits live
 streams up to the capacity measured at start-up (`server.capacity`); files (REST) only use the
-lanes and the time the live streams leave free; a live stream whose oldest hop waits longer than
-`max_lateness_ms` skips its backlog (zeros, reported to the client as a gap) instead of falling
-further behind.
+lanes and the time the live streams leave free. Its ledger of reserved lanes (`WorkerLanes`, one
+per worker) is kept on the event loop only; each worker counts the live lanes it holds on its
+own thread.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
-import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from enhancer.devices import providers_for
 from enhancer.errors import AudioError
-from enhancer.runtime import OFFLINE_FRAMES, Enhancer, LanePool, StreamingEnhancer, min_gain_for
+from enhancer.runtime import Enhancer, min_gain_for
 from enhancer.signal import check_rate
 
 from . import capacity as calibration
 from .capacity import Capacity
+from .commands import Close, Delivery, End, Open, Push
 from .errors import ServiceError
 from .metrics import Metrics
 from .settings import Settings
+from .worker import Worker
 
-FILE_FRAMES = OFFLINE_FRAMES  # hops per call of a file's backlog when no live stream shares the worker
-FILE_FRAMES_BESIDE_LIVE = 4  # ... when live streams do: such a call costs about one batched live step
 SWITCH_INTERVAL_S = 0.0005  # GIL hand-over bound for the inference threads (Python's default: 5 ms)
 STREAM_RETRY_S = 5  # retry hint for a stream refused over capacity (streams hold their lanes for minutes)
 REST_RETRY_S = 1
 
-log = logging.getLogger("tim_enhancer.server")
+
+class SwitchInterval:
+    """The interpreter's GIL switch interval, lowered while any scheduler runs and restored when
+    the last one stops. The workers hold the GIL only between onnxruntime calls, but each time they
+    want it back the event loop may keep it for a whole switch interval (5 ms by default): a third
+    of a hop."""
+
+    _lock = threading.Lock()
+    _holders = 0
+    _saved: float | None = None
+
+    @classmethod
+    def lower(cls, seconds: float = SWITCH_INTERVAL_S) -> None:
+        with cls._lock:
+            if cls._holders == 0:
+                cls._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(cls._saved, seconds))
+            cls._holders += 1
+
+    @classmethod
+    def restore(cls) -> None:
+        with cls._lock:
+            if cls._holders == 0:
+                return
+            cls._holders -= 1
+            if cls._holders == 0 and cls._saved is not None:
+                sys.setswitchinterval(cls._saved)
+                cls._saved = None
 
 
 @dataclass
-class Delivery:
-    """Output of a stream handed to its handler: audio (n, channels) float32 at the stream's rate."""
+class WorkerLanes:
+    """The scheduler's ledger of one worker's lanes (event loop only): reservations of the admitted
+    jobs, and how many of them are live."""
 
-    audio: np.ndarray
-    frames: list = field(default_factory=list)  # (frame index, competition (c, n_tim, n_s) | None, activity (c,))
-    acked: int = 0  # sequence number of the last push whose audio is fully processed
-    final: bool = False  # the stream's tail after `end`; nothing follows
-    error: ServiceError | None = None
-    events: list = field(default_factory=list)  # JSON messages for the client ("late", "on_time", "gap")
+    lanes: int  # the worker's pool
+    capacity: int  # live lanes it holds within the step budget
+    free: int  # lanes not reserved by an admitted job
+    live: int = 0  # lanes reserved by admitted live streams
+
+    @property
+    def live_room(self) -> int:
+        """Live lanes this worker can still admit."""
+        return self.capacity - self.live
 
 
-# ---------------------------------------------------------------------------------- loop side
 class Job:
     """The event-loop side of one stream: enqueue audio, await deliveries. Not thread-safe: use it
     from the event loop only."""
 
-    def __init__(self, scheduler: "Scheduler", worker: "Worker", sample_rate: int, channels: int, metadata: bool,
-                 source: str):
+    def __init__(self, scheduler: "Scheduler", worker: Worker, lanes: WorkerLanes, sample_rate: int, channels: int,
+                 metadata: bool, source: str):
         self.id = next(scheduler._ids)
         self.scheduler, self.worker = scheduler, worker
+        self.lanes = lanes  # the worker's entry of the scheduler's ledger, where this job's lanes are reserved
         self.sample_rate, self.channels, self.metadata, self.source = sample_rate, channels, metadata, source
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
@@ -86,20 +109,20 @@ class Job:
         if self.closed or self.ended:
             raise RuntimeError("job is finished")
         self.sent += 1
-        self.worker.submit(("push", self, (pcm, time.perf_counter()), self.sent))  # arrival: for lateness
+        self.worker.submit(Push(self, pcm, time.perf_counter(), self.sent))
         return self.sent
 
     def end(self) -> None:
         """Flush the tail; the last delivery has `final=True` and the worker frees the lanes."""
         if not (self.closed or self.ended):
             self.ended = True
-            self.worker.submit(("end", self, None, self.sent))
+            self.worker.submit(End(self, self.sent))
 
     def close(self) -> None:
         """Drop the stream (any time, e.g. on disconnect); idempotent."""
         if not self.closed:
             self.closed = True
-            self.worker.submit(("close", self, None, 0))
+            self.worker.submit(Close(self))
             self.scheduler._release(self)
 
     async def next(self) -> Delivery:
@@ -141,6 +164,7 @@ class Scheduler:
     def __init__(self, settings: Settings, metrics: Metrics):
         self.settings, self.metrics = settings, metrics
         self.workers: list[Worker] = []
+        self.lanes: list[WorkerLanes] = []  # the ledger, one per worker (event loop only)
         self._ids = itertools.count(1)
         self.streams = 0
         self.rest_jobs = 0
@@ -151,7 +175,7 @@ class Scheduler:
     # lifecycle
     def start(self) -> None:
         s = self.settings
-        providers = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider"]}[s.device]
+        providers = providers_for(s.device)
         if s.device == "cuda":
             import onnxruntime as ort
 
@@ -162,19 +186,19 @@ class Scheduler:
         # in the caches instead of one per worker; each worker keeps its own lane pool.
         enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
         workers = [Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000, settings=s,
-                          service_live=self._live_lanes)
+                          service_live=self._live_held)
                    for i in range(s.workers)]
         self.capacity = self._measure(workers)
-        for w, lanes in zip(workers, self.capacity.per_worker):
-            w.capacity = lanes
-        # The workers hold the GIL only between onnxruntime calls, but each time they want it back the
-        # event loop may keep it for a whole switch interval (5 ms by default): a third of a hop.
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self.lanes = [WorkerLanes(lanes=w.pool.capacity, capacity=live, free=w.pool.capacity)
+                      for w, live in zip(workers, self.capacity.per_worker)]
+        for w, ledger in zip(workers, self.lanes):
+            w.capacity = ledger.capacity  # before the thread starts
+        SwitchInterval.lower()
         for w in workers:
             w.start()
         self.workers = workers
 
-    def _measure(self, workers: list["Worker"]) -> Capacity:
+    def _measure(self, workers: list[Worker]) -> Capacity:
         """Capacity from the settings, or timed on this machine (before the workers start)."""
         s, cfg = self.settings, workers[0].enhancer.config
         hop_s = cfg.stft.hop / cfg.stft.sample_rate
@@ -191,6 +215,11 @@ class Scheduler:
         return cap
 
     def _live_lanes(self) -> int:
+        """Live lanes admitted (the ledger, event loop)."""
+        return sum(ledger.live for ledger in self.lanes)
+
+    def _live_held(self) -> int:
+        """Live lanes the workers hold (read from a worker thread; each count has one writer)."""
         return sum(w.live_lanes for w in self.workers)
 
     @property
@@ -198,13 +227,13 @@ class Scheduler:
         """No live stream can be admitted now (checked at the websocket handshake)."""
         cap = self.capacity
         return cap is not None and (self.streams >= self.settings.max_streams or self._live_lanes() >= cap.streams
-                                    or not any(w.live_room > 0 for w in self.workers))
+                                    or not any(ledger.live_room > 0 for ledger in self.lanes))
 
     def over_capacity(self, source: str, channels: int = 1) -> ServiceError:
         cap = self.capacity.streams if self.capacity else self.settings.max_streams
         self.metrics.refused.labels(source=source).inc()
         if source == "stream":
-            free = max(max((w.live_room for w in self.workers), default=0), 0)
+            free = max(max((ledger.live_room for ledger in self.lanes), default=0), 0)
             room = ("all are in use" if free == 0 or self.streams >= self.settings.max_streams else
                     f"a worker has room for {free} channel(s), this stream has {channels}")
             return ServiceError(
@@ -220,6 +249,8 @@ class Scheduler:
             w.stop()
         for w in self.workers:
             w.join(timeout=10)
+        if self.workers:
+            SwitchInterval.restore()
 
     @property
     def ready(self) -> bool:
@@ -256,24 +287,23 @@ class Scheduler:
                                f"enhancements; retry in {REST_RETRY_S} s", retry_after_s=REST_RETRY_S)
         if not self.ready:
             raise ServiceError("internal", "inference workers are not running")
+        i = max(range(len(self.workers)), key=lambda i: (self.lanes[i].live_room, self.lanes[i].free))
+        ledger = self.lanes[i]
         if source == "stream":
             # admitted live lanes stay within the measured capacity, in total and on the chosen worker
             if self.streams >= s.max_streams or self._live_lanes() + channels > self.capacity.streams:
                 raise self.over_capacity(source, channels)
-            worker = max(self.workers, key=lambda w: (w.live_room, w.lanes_free))
-            if worker.live_room < channels:
+            if ledger.live_room < channels:
                 raise self.over_capacity(source, channels)
-        else:
+        elif ledger.live_room <= 0:
             # files use what the live streams leave: refused when live streams hold every worker's capacity
-            worker = max(self.workers, key=lambda w: (w.live_room, w.lanes_free))
-            if worker.live_room <= 0:
-                raise self.over_capacity(source)
-        if worker.lanes_free < channels:
+            raise self.over_capacity(source)
+        if ledger.free < channels:
             raise ServiceError("over_capacity", "no free inference lanes; retry later", retry_after_s=REST_RETRY_S)
-        job = Job(self, worker, sample_rate, channels, bool(metadata), source)
-        worker.lanes_free -= channels
+        job = Job(self, self.workers[i], ledger, sample_rate, channels, bool(metadata), source)
+        ledger.free -= channels
         if source == "stream":
-            worker.live_lanes += channels
+            ledger.live += channels
         self.jobs[job.id] = job
         self.opened += 1
         if source == "stream":
@@ -282,493 +312,17 @@ class Scheduler:
         else:
             self.rest_jobs += 1
             self.metrics.active_jobs.set(self.rest_jobs)
-        worker.submit(("open", job, atten_lim_db, 0))
+        job.worker.submit(Open(job, atten_lim_db))
         return job
 
     def _release(self, job: Job) -> None:
         if self.jobs.pop(job.id, None) is None:
             return
-        job.worker.lanes_free += job.channels
+        job.lanes.free += job.channels
         if job.source == "stream":
-            job.worker.live_lanes -= job.channels
+            job.lanes.live -= job.channels
             self.streams -= 1
             self.metrics.active_streams.set(self.streams)
         else:
             self.rest_jobs -= 1
             self.metrics.active_jobs.set(self.rest_jobs)
-
-
-# ---------------------------------------------------------------------------------- worker side
-class _Stream:
-    """A worker's state for one job."""
-
-    __slots__ = ("job", "se", "gain", "acked", "flushing", "dirty", "steps", "frames", "ready_since", "live",
-                 "arrivals", "hops_in", "first_arrival", "due", "behind", "skipped", "events")
-
-    def __init__(self, job: Job, se: StreamingEnhancer):
-        self.job, self.se = job, se
-        self.gain = np.full(se.channels, se.min_gain, np.float32)
-        self.acked = 0
-        self.flushing = False
-        self.dirty = False  # has output or an acknowledgement to deliver
-        self.steps = 0  # hops stepped or skipped so far (frame index of the next step)
-        self.frames: list = []  # metadata not yet delivered: (frame, competition, activity)
-        self.ready_since = 0.0  # when its oldest ready hop became ready (perf_counter)
-        # lateness of a live stream: hop h is due at max(arrival of the push that completed it,
-        # first arrival + h hops): a client sending faster than real time is never late
-        self.live = job.source == "stream"
-        self.arrivals: collections.deque = collections.deque()  # (hops_in after a push, its arrival time)
-        self.hops_in = 0  # hops made ready by pushes so far
-        self.first_arrival: float | None = None
-        self.due = 0.0  # due time of the hop in the current round
-        self.behind = False  # told the client it is late, not yet that it is on time again
-        self.skipped = 0  # hops skipped (not stepped) to catch up
-        self.events: list = []  # JSON messages for the client, delivered with the next output
-
-    @property
-    def stepping_live(self) -> bool:
-        return self.live and not self.flushing
-
-    def note_push(self, new_hops: int, t: float) -> None:
-        if new_hops > 0:
-            self.hops_in += new_hops
-            self.arrivals.append((self.hops_in, t))
-            if self.first_arrival is None:
-                self.first_arrival = t
-
-    def due_time(self, hop: int, hop_s: float) -> float:
-        """When hop `hop` (stream index) could first have been stepped by a real-time server."""
-        while self.arrivals and self.arrivals[0][0] <= hop:
-            self.arrivals.popleft()
-        arrival = self.arrivals[0][1] if self.arrivals else 0.0
-        return max(arrival, (self.first_arrival or 0.0) + hop * hop_s)
-
-
-class Worker(threading.Thread):
-    """An inference thread: a lane pool on the shared session, and the streams placed on it."""
-
-    def __init__(self, index: int, enhancer: Enhancer, lanes: int, metrics: Metrics, max_wait_s: float = 0.0,
-                 settings: Settings | None = None, service_live=None):
-        super().__init__(name=f"tim-worker-{index}", daemon=True)
-        s = settings or Settings()
-        self.index, self.enhancer, self.metrics = index, enhancer, metrics
-        self.max_wait = max_wait_s  # longest a ready hop waits for other streams to join its step
-        self.pool = LanePool(enhancer.engine, lanes)
-        self.lanes_free = lanes  # reservations, maintained on the event loop
-        self.capacity = lanes  # live lanes this worker holds within the step budget (set by the scheduler)
-        self.live_lanes = 0  # lanes of admitted live streams, maintained on the event loop
-        cfg = enhancer.config
-        self.hop, self.delay, self.model_rate = cfg.stft.hop, cfg.delay_samples, cfg.stft.sample_rate
-        self.hop_s = self.hop / self.model_rate
-        self.late_s = s.lateness_budget_ms / 1000  # a hop stepped later than this: tell the client
-        self.skip_s = s.max_lateness_ms / 1000  # an oldest hop waiting longer than this: skip the backlog
-        # files step on their own only within a duty cycle while live streams are served anywhere
-        # (the cores are shared): credit refills at (1 - margin) s per s, every step spends its time
-        self.duty = 1.0 - s.capacity_margin
-        self._credit, self._credit_t = 0.0, time.perf_counter()
-        self._service_live = service_live or (lambda: 0)
-        self._cv = threading.Condition()
-        self._inbox: collections.deque = collections.deque()
-        self._stopping = False
-        self.streams: dict[int, _Stream] = {}
-        self._out: list[tuple[Job, Delivery]] = []
-        self._acks_due = False  # a push left a stream with output to hand over but no hop to step
-        self._lanes_gauge = metrics.lanes_in_use.labels(worker=str(index))
-        self._worst_gauge = metrics.worst_lateness.labels(worker=str(index))
-
-    @property
-    def live_room(self) -> int:
-        """Live lanes this worker can still admit (event loop side)."""
-        return self.capacity - self.live_lanes
-
-    def submit(self, cmd) -> None:
-        with self._cv:
-            self._inbox.append(cmd)
-            self._cv.notify()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-
-    # ------------------------------------------------------------------ thread body
-    def run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._inbox and not self._stopping:
-                    wait = self._batch_wait()
-                    if wait == 0:
-                        break
-                    self._cv.wait(wait)  # None: until a command arrives
-                if self._stopping:
-                    break
-                cmds = list(self._inbox)
-                self._inbox.clear()
-            try:
-                for cmd in cmds:
-                    self._apply_one(cmd)
-                if cmds and self._batch_wait() != 0:  # the step waits for more streams
-                    if self._acks_due:
-                        self._deliver()  # acknowledge pushes too short to make a hop
-                    continue
-                self._round()
-                self._deliver()
-            except Exception as e:  # noqa: BLE001 - a bug: fail the streams on this worker, keep serving
-                log.exception("inference worker %d failed; closing its streams", self.index)
-                for st in list(self.streams.values()):
-                    self._fail(st.job, e, internal=True)
-                    self._drop(st)
-        for st in list(self.streams.values()):
-            self._drop(st)
-
-    def _batch_wait(self) -> float | None:
-        """Seconds to hold the next step so that more live streams join it (0: step now, None:
-        nothing to step). A step waits until every live stream has a hop ready, or until the oldest
-        ready hop has waited `max_wait`: big batches cost far less per stream than small ones, and
-        a live stream needs only one step per 16 ms. Files and flushing streams never wait when no
-        live stream is ready; otherwise they run after the live streams' step in the same round,
-        within the lanes and time the live streams leave (`_files`)."""
-        ready_live, files, flushing, live = [], [], False, 0
-        for st in self.streams.values():
-            is_live = st.stepping_live
-            live += is_live
-            if st.se.ready_hops():
-                if is_live:
-                    ready_live.append(st)
-                elif st.live:
-                    flushing = True
-                else:
-                    files.append(st)
-        if not ready_live:
-            if flushing:
-                return 0
-            if not files:
-                return None
-            allowed, wait = self._files(files, False, time.perf_counter())
-            return 0 if allowed else wait
-        if self.max_wait <= 0 or len(ready_live) >= live:
-            return 0
-        remaining = min(st.ready_since for st in ready_live) + self.max_wait - time.perf_counter()
-        return remaining if remaining > 0 else 0
-
-    def _apply_one(self, cmd) -> None:
-        """Apply one command; a failure closes that command's stream only."""
-        try:
-            self._apply(*cmd)
-        except Exception as e:  # noqa: BLE001
-            job = cmd[1]
-            log.exception("stream %d: %s failed", job.id, cmd[0])
-            self._fail(job, e, internal=True)
-            st = self.streams.get(job.id)
-            if st is not None:
-                self._drop(st)
-
-    def _apply(self, op: str, job: Job, arg, seq: int) -> None:
-        st = self.streams.get(job.id)
-        if op == "open":
-            try:
-                se = StreamingEnhancer(self.enhancer.engine, job.sample_rate, job.channels, arg, False, self.pool)
-            except Exception as e:  # noqa: BLE001 - reported to the client, the worker goes on
-                self._fail(job, e)
-                return
-            self.streams[job.id] = _Stream(job, se)
-            self._lanes_gauge.set(self.pool.capacity - self.pool.n_free)
-        elif st is None:
-            return  # closed or failed already
-        elif op == "push":
-            pcm, arrived = arg
-            had = st.se.ready_hops()
-            try:
-                st.se.push(pcm, "audio")
-            except Exception as e:  # noqa: BLE001
-                self._fail(job, e)
-                self._drop(st)
-                return
-            st.note_push(st.se.ready_hops() - had, arrived)
-            had_hop = had > 0
-            st.acked, st.dirty = seq, True
-            if not had_hop:
-                st.ready_since = time.perf_counter()
-            if not st.se.ready_hops():
-                self._acks_due = True
-        elif op == "end":
-            st.se.begin_flush()
-            if st.skipped:
-                _trim_flush(st.se, st.skipped)
-            st.flushing, st.dirty, st.acked = True, True, seq
-            self._acks_due = True
-        elif op == "close":
-            self._drop(st)
-
-    def _round(self) -> None:
-        """One batched step over every live stream with a ready hop (a stream too late first skips
-        its backlog, `_catch_up`), then one multi-frame call (`_run_file`) per flushing stream and
-        per file that the live streams leave lanes and time for (`_files`)."""
-        now = time.perf_counter()
-        live, flushing, files = [], [], []
-        for st in self.streams.values():
-            if not st.se.ready_hops():
-                continue
-            if st.stepping_live:
-                self._catch_up(st, now)
-                st.due = st.due_time(st.steps, self.hop_s)
-                live.append(st)
-            elif st.live:
-                flushing.append(st)
-            else:
-                files.append(st)
-        self._round_live(live)
-        frames = FILE_FRAMES_BESIDE_LIVE if any(st.stepping_live for st in self.streams.values()) else FILE_FRAMES
-        for st in flushing + self._files(files, bool(live), time.perf_counter())[0]:
-            if st.job.id in self.streams:
-                self._run_file(st, frames)
-
-    def _run_file(self, st: _Stream, frames: int) -> None:
-        """Up to `frames` ready hops of one stream in one call (`LanePool.run`); a failure closes
-        that stream only (the pool's state only changes when a call succeeds)."""
-        se = st.se
-        n = min(se.ready_hops(), frames)
-        try:
-            t0 = time.perf_counter()
-            try:
-                r = self.pool.run(se.lanes, se.take_hops(n), st.gain)
-            finally:
-                t1 = time.perf_counter()
-                self._spend(t1 - t0, t1)
-            self.metrics.batch_size.observe(len(se.lanes))
-            se.put_outputs(r.out, None, None)
-            if st.job.metadata:
-                st.frames.extend((st.steps + t, None if r.competition is None else r.competition[:, t], r.activity[:, t])
-                                 for t in range(n))
-        except Exception as e:  # noqa: BLE001
-            log.exception("inference of %d hop(s) of stream %d failed: closing it", n, st.job.id)
-            self._fail(st.job, e, internal=True)
-            self._drop(st)
-            return
-        st.steps += n
-        st.dirty = True
-        self.metrics.frames.labels(source=st.job.source).inc(n)
-        if se.ready_hops():
-            st.ready_since = time.perf_counter()
-
-    def _round_live(self, ready: list[_Stream]) -> None:
-        """One batched step over the live streams with a ready hop. If the batched call fails, each
-        stream is retried alone (the pool's state only changes when a step succeeds), so a fault
-        tied to one stream closes that stream only and a transient one closes none."""
-        if not ready:
-            return
-        hops = [st.se.take_hop() for st in ready]  # (channels, hop) each
-        try:
-            r = self._step(ready, hops)
-        except Exception:  # noqa: BLE001
-            log.exception("inference step of %d stream(s) failed; retrying them one by one", len(ready))
-            for st, hop in zip(ready, hops):
-                try:
-                    r = self._step([st], [hop])
-                except Exception as e:  # noqa: BLE001
-                    log.error("inference step failed again for stream %d alone: closing it (%s)", st.job.id,
-                              type(e).__name__)
-                    self._fail(st.job, e, internal=True)
-                    self._drop(st)
-                    continue
-                self._scatter([st], r)
-            return
-        self._scatter(ready, r)
-
-    def _step(self, group: list[_Stream], hops: list[np.ndarray]):
-        lanes = np.concatenate([st.se.lanes for st in group])
-        gains = np.concatenate([st.gain for st in group])
-        t0 = time.perf_counter()
-        try:
-            r = self.pool.step(lanes, np.concatenate(hops), gains)
-        finally:
-            t1 = time.perf_counter()
-            self._spend(t1 - t0, t1)
-        self.metrics.step_seconds.observe(t1 - t0)
-        self.metrics.batch_size.observe(len(lanes))
-        return r
-
-    # ------------------------------------------------------------------ admission and lateness
-    def _spend(self, seconds: float, now: float) -> None:
-        self._refill(now)
-        self._credit -= seconds
-
-    def _refill(self, now: float) -> None:
-        self._credit = min(self._credit + (now - self._credit_t) * self.duty, self.hop_s * self.duty)
-        self._credit_t = now
-
-    def _files(self, others: list[_Stream], with_live: bool, now: float) -> tuple[list[_Stream], float | None]:
-        """The files (REST jobs) among `others` that may step now, and otherwise how long to
-        wait before they may (None: until a command arrives). Beside live streams on this worker
-        they use the lanes those leave within its capacity; in a step of their own, while live
-        streams are served anywhere, only the duty-cycle credit (so the cores stay free for them)."""
-        if not others:
-            return [], None
-        if not with_live and self._service_live():
-            self._refill(now)
-            if self._credit <= 0:
-                return [], max(-self._credit / max(self.duty, 1e-3), 0.0005)
-        if not self.live_lanes:
-            return others, None
-        room = max(self.capacity - self.live_lanes, 0)
-        files = []
-        for st in others:
-            if st.se.channels <= room:
-                files.append(st)
-                room -= st.se.channels
-        return files, None
-
-    def _catch_up(self, st: _Stream, now: float) -> None:
-        """A live stream whose oldest hop is later than `max_lateness_ms` skips all its ready hops
-        but the newest: their output is zeros (sample alignment is kept) and the client gets a
-        "gap" message naming the output samples that are not its enhanced input."""
-        se = st.se
-        k = se.ready_hops() - 1
-        if k < 1 or now - st.due_time(st.steps, self.hop_s) <= self.skip_s:
-            return
-        lateness = now - st.due_time(st.steps, self.hop_s)
-        for _ in range(k):
-            se.take_hop()
-        se.put_output(np.zeros((se.channels, k * self.hop), np.float32), None, None)
-        first = st.steps
-        st.steps += k
-        st.skipped += k
-        st.dirty = True
-        # output of skipped hops is zeros, and the model's delay line puts the audio before the gap
-        # after it: the output samples [first hop - delay, last skipped hop end) are not enhanced input
-        scale = st.job.sample_rate / self.model_rate
-        start = round(max(first * self.hop - self.delay, 0) * scale)
-        end = round((first + k) * self.hop * scale)
-        st.events.append({"type": "gap", "start_sample": start, "samples": end - start,
-                          "skipped_ms": round(1000 * k * self.hop_s, 1), "lateness_ms": round(1000 * lateness, 1)})
-        self.metrics.skipped_hops.inc(k)
-        self.metrics.gaps.inc()
-        log.warning("stream %d was %.0f ms late: skipped %d hop(s)", st.job.id, 1000 * lateness, k)
-
-    def _lateness(self, st: _Stream, done: float) -> float:
-        """Record how late a live hop was stepped (returned, s); tell the client when it falls
-        behind the budget and when it is on time again."""
-        late = max(done - st.due, 0.0)
-        self.metrics.lateness.observe(late)
-        if late > self.late_s:
-            self.metrics.late_hops.inc()
-            if not st.behind:
-                st.behind = True
-                self.metrics.behind.inc()
-                st.events.append({"type": "late", "lateness_ms": round(1000 * late, 1),
-                                  "budget_ms": round(1000 * self.late_s, 1),
-                                  "max_lateness_ms": round(1000 * self.skip_s, 1)})
-        elif st.behind and late <= self.late_s / 2:
-            st.behind = False
-            st.events.append({"type": "on_time", "lateness_ms": round(1000 * late, 1)})
-        return late
-
-    def _scatter(self, group: list[_Stream], r) -> None:
-        """Hand each stream its slice of a step's result (a stream whose bookkeeping fails is
-        closed alone)."""
-        o = 0
-        counts = collections.Counter()
-        done = time.perf_counter()
-        worst = None
-        for st in group:
-            c = st.se.channels
-            try:
-                comp = None if r.competition is None else r.competition[o:o + c]
-                st.se.put_output(r.out[o:o + c], None, None)
-                if st.job.metadata:
-                    st.frames.append((st.steps, comp, r.activity[o:o + c]))
-            except Exception as e:  # noqa: BLE001
-                log.exception("stream %d: output bookkeeping failed", st.job.id)
-                self._fail(st.job, e, internal=True)
-                self._drop(st)
-            else:
-                st.steps += 1
-                st.dirty = True
-                counts[st.job.source] += 1
-                if st.stepping_live:
-                    late = self._lateness(st, done)
-                    worst = late if worst is None else max(worst, late)
-            o += c
-        if worst is not None:
-            self._worst_gauge.set(worst)
-        for source, n in counts.items():
-            self.metrics.frames.labels(source=source).inc(n)
-        now = time.perf_counter()
-        for st in group:  # a hop left over counts as ready from now (a backlog of one chunk is no delay)
-            if st.job.id in self.streams and st.se.ready_hops():
-                st.ready_since = now
-
-    def _deliver(self) -> None:
-        """Hand over output: live streams after every round they took part in (so a stream that is
-        behind still gets audio hop by hop), files and flushing streams once they have no hop left.
-        A push is acknowledged once all of its audio has been stepped."""
-        self._acks_due = False
-        for st in list(self.streams.values()):
-            if not st.dirty:
-                continue
-            try:
-                self._deliver_one(st)
-            except Exception as e:  # noqa: BLE001
-                log.exception("stream %d: delivering output failed", st.job.id)
-                self._fail(st.job, e, internal=True)
-                self._drop(st)
-        self._post()
-
-    def _deliver_one(self, st: _Stream) -> None:
-        se = st.se
-        drained = not se.ready_hops()
-        if not drained and (st.flushing or st.job.source != "stream"):
-            return
-        st.dirty = not drained
-        if st.flushing:
-            audio, final = se.end_flush(), True
-        else:
-            audio, final = se.pull().reshape(-1, se.channels), False
-        frames, st.frames = st.frames, []
-        events, st.events = st.events, []
-        acked = st.acked if drained else 0
-        self._out.append((st.job, Delivery(audio, frames, acked, final, events=events)))
-        if final:
-            self._drop(st)
-
-    def _fail(self, job: Job, e: Exception, internal: bool = False) -> None:
-        if isinstance(e, AudioError) and not internal:
-            err = ServiceError("invalid_audio", str(e))
-        else:
-            err = ServiceError("internal", "inference failed; the stream was closed")
-        self._out.append((job, Delivery(np.zeros((0, job.channels), np.float32), [], job.sent, True, err)))
-        self._post()
-
-    def _drop(self, st: _Stream) -> None:
-        self.streams.pop(st.job.id, None)
-        st.se.close()
-        self._lanes_gauge.set(self.pool.capacity - self.pool.n_free)
-
-    def _post(self) -> None:
-        if not self._out:
-            return
-        items, self._out = self._out, []
-        by_loop = collections.defaultdict(list)
-        for job, d in items:
-            by_loop[job.loop].append((job, d))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_dispatch, batch)
-            except RuntimeError:  # loop closed (shutdown): nobody is listening any more
-                pass
-
-
-def _trim_flush(se: StreamingEnhancer, skipped: int) -> None:
-    """After `begin_flush` of a stream that skipped hops: the flush pads for the hops the pool has
-    stepped, not for those skipped (whose output was already given); drop the padding hops that
-    would only make output past the input's end."""
-    hop = se.config.stft.hop
-    produced = (int(se.pool.pos[se.lanes[0]]) + skipped) * hop
-    need = -(-max(se.config.delay_samples + se.n_in_model - produced, 0) // hop)
-    if se.ready_hops() > need:
-        se._pending = se._pending[:need * hop]  # noqa: SLF001 - the padding is the tail of the pending input
-
-
-def _dispatch(batch) -> None:
-    for job, d in batch:
-        job._deliver(d)

@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from enhancer.devices import DEVICES
+
 API_KEY_ENV = "TIM_ENHANCER_API_KEY"
 CORS_ENV = "TIM_ENHANCER_CORS_ORIGINS"
-DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)

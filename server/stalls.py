@@ -1,6 +1,6 @@
 """What can hold up a live stream outside inference: event-loop lag and garbage-collector pauses.
 
-A websocket stream has about 64 ms of slack per message (see `server.loadtest`); the event loop
+A websocket stream has about 64 ms of slack per message (see `server.tools.loadtest`); the event loop
 receives, decodes and sends every message, so anything that blocks it for tens of milliseconds
 makes every stream late at once. Two sources are measured and exported as metrics:
 
@@ -12,14 +12,15 @@ makes every stream late at once. Two sources are measured and exported as metric
 `freeze_startup_objects()` moves everything alive after start-up (FastAPI, pydantic, numpy,
 onnxruntime bindings: several hundred thousand objects) into the collector's permanent generation,
 so a full collection scans only what streams allocate, not the whole process.
+
+Whether the whole machine stalled (not the service) is the benchmark tools' question:
+`server.tools.machine_stalls`.
 """
 from __future__ import annotations
 
 import asyncio
 import gc
 import time
-
-STALL_S = 0.032  # a stall: a wake-up more than two 16 ms hops late
 
 
 def freeze_startup_objects() -> int:
@@ -88,58 +89,3 @@ class LoopLagMonitor:
             except asyncio.CancelledError:
                 pass
             self._task = None
-
-
-# ---------------------------------------------------------------------------------- machine stalls
-_OBSERVER = r"""
-import sys, time
-interval, record = float(sys.argv[1]), float(sys.argv[2])
-out = sys.stdout
-while True:
-    due = time.perf_counter() + interval
-    time.sleep(interval)
-    now = time.perf_counter()
-    if now - due > record:
-        out.write(f"{due:.6f} {now - due:.6f}\n")
-        out.flush()
-"""
-
-
-class MachineStallObserver:
-    """A separate, almost idle process that wakes every `interval` and reports each wake-up more
-    than `record_s` late. It competes for nothing, so when it stalls together with the server and
-    the load generator, the whole machine (virtual CPU descheduled by the host, for instance) was
-    stalled, not the service. Times are CLOCK_MONOTONIC (`time.perf_counter`), shared by all
-    processes of the machine."""
-
-    def __init__(self, interval: float = 0.005, record_s: float = 0.02):
-        self.interval, self.record_s = interval, record_s
-        self.proc = None
-        self.events: list[tuple[float, float]] = []  # (perf_counter when due, lag s)
-
-    def start(self) -> "MachineStallObserver":
-        import subprocess
-        import sys
-
-        self.proc = subprocess.Popen([sys.executable, "-c", _OBSERVER, str(self.interval), str(self.record_s)],
-                                     stdout=subprocess.PIPE, text=True)
-        return self
-
-    def stop(self) -> list[tuple[float, float]]:
-        if self.proc is not None:
-            self.proc.terminate()
-            out, _ = self.proc.communicate(timeout=10)
-            self.events = [(float(a), float(b)) for a, b in (ln.split() for ln in out.splitlines() if ln.strip())]
-            self.proc = None
-        return self.events
-
-    def explains(self, arrival: float, over_s: float = STALL_S, recovery_s: float = 1.5) -> bool:
-        """Whether a message arriving at `arrival` (perf_counter) came within `recovery_s` after the
-        end of a machine stall longer than `over_s` (the backlog of a stall takes a moment to clear)."""
-        return stall_explains(self.events, arrival, over_s, recovery_s)
-
-
-def stall_explains(events, arrival: float, over_s: float = STALL_S, recovery_s: float = 1.5) -> bool:
-    """Whether `arrival` falls in one of the stalls `events` ((perf_counter when due, lag s) pairs)
-    longer than `over_s`, or within `recovery_s` after its end."""
-    return any(lag > over_s and t <= arrival <= t + lag + recovery_s for t, lag in events)

@@ -31,14 +31,17 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from .audio_io import ENCODINGS, decode_pcm, encode_pcm
+from enhancer.config import SAMPLE_RATE
+
 from .aio import timeout as _timeout
+from .audio_io import ENCODINGS, decode_pcm, encode_pcm
+from .commands import Delivery
 from .errors import ServiceError, too_large
-from .scheduler import Delivery, Job
+from .scheduler import Job
 
 log = logging.getLogger("tim_enhancer.server")
 
-DEFAULT_START = {"sample_rate": 16000, "encoding": "pcm_s16le", "channels": 1, "atten_lim_db": None, "metadata": False}
+DEFAULT_START = {"sample_rate": SAMPLE_RATE, "encoding": "pcm_s16le", "channels": 1, "atten_lim_db": None, "metadata": False}
 
 router = APIRouter()
 

@@ -15,7 +15,7 @@ def torch_model():
     import enhancer
 
     torch.manual_seed(0)
-    cfg = enhancer.ModelConfig.preset("tim", window=SHORT_WINDOW)
+    cfg = enhancer.ModelConfig.preset("tim", attention_window=SHORT_WINDOW)
     model = enhancer.build_model(cfg).eval()
     g = torch.Generator().manual_seed(1)
     model.set_normalization(torch.randn(cfg.n_freqs, generator=g) * 0.5 - 4.0, torch.rand(cfg.n_freqs, generator=g) + 1.0)

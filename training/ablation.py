@@ -23,8 +23,9 @@ from pathlib import Path
 from enhancer import ModelConfig
 
 from .manifests import DataError
+from .metrics import LABELS
 
-METRICS = (("pesq_wb", "PESQ-WB", 3), ("stoi", "STOI", 3), ("si_sdr", "SI-SDR (dB)", 2), ("dnsmos_ovrl", "DNSMOS OVRL", 2))
+METRICS = tuple((k, LABELS[k], decimals) for k, decimals in (("pesq_wb", 3), ("stoi", 3), ("si_sdr", 2), ("dnsmos_ovrl", 2)))
 
 
 def run_row(run_dir, eval_dir) -> dict:

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from enhancer.config import SAMPLE_RATE
+
 from .manifests import DataError, Item
 
-SAMPLE_RATE = 16000
 FORMAT = "tim-enhancer-audio-cache/1"
 
 
@@ -59,6 +60,15 @@ def load_audio(path, sample_rate: int = SAMPLE_RATE, quality: str = "HQ") -> np.
     if not np.any(np.abs(x) > 1e-6):
         raise AudioReadError("digital silence")
     return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def read16k(path) -> np.ndarray:
+    """One file for scoring (eval, dev set, plots, competition): 16 kHz mono float32, the best
+    resampling; a file that cannot be read is a DataError naming it."""
+    try:
+        return load_audio(path, SAMPLE_RATE, quality="VHQ")
+    except AudioReadError as e:
+        raise DataError(f"{path}: {e}") from None
 
 
 def _load_job(path: str):

@@ -30,7 +30,8 @@ import math
 import numpy as np
 from scipy.signal import fftconvolve
 
-SAMPLE_RATE = 16000
+from enhancer.config import SAMPLE_RATE
+
 BANDLIMITS_HZ = (3400.0, 4000.0, 5500.0, 7000.0)
 
 

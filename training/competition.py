@@ -29,14 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from enhancer.config import SAMPLE_RATE
+
+from .audio_cache import read16k
 from .manifests import DataError
-from .plots import (
-    SAMPLE_RATE,
-    _pyplot,
-    _save,
-    enhance_with_competition,
-    log_spectrogram,
-)
+from .plots import _pyplot, _save, enhance_with_competition, log_spectrogram
 
 SPEECH_RANGE_DB = 20.0  # active: within this many dB of the loudest frames (real "clean" references have noise floors ~30 dB down)
 SPEECH_REF_PERCENTILE = 95.0  # "loudest frames": this percentile of the clip's frame energies (dB)
@@ -284,8 +281,6 @@ def _mixed(clip: Clip) -> bool:
 
 def run_competition(model, pairs, out, log=None) -> dict:
     """Analyse every pair (noisy through the model, clean for the activity); write the three files."""
-    from .evaluate import read16k
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not pairs:
         raise DataError("nothing to analyse: no file pairs")

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from enhancer.config import SAMPLE_RATE
+
 from . import augment
-from .audio_cache import SAMPLE_RATE, AudioSet
+from .audio_cache import AudioSet
 from .manifests import DataError
 from .mixing import active_rms, concatenate, fit_length, limit_peak, mix
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from enhancer.config import SAMPLE_RATE
+
 from .manifests import DataError
 
 PESQ_TIE = 0.005  # PESQ differences below this are ties, decided by DNSMOS OVRL
@@ -45,7 +47,7 @@ def load_dev_pairs(folder, limit: int | None = None) -> list[tuple[str, np.ndarr
     """(name, noisy, clean) of `folder/noisy` and `folder/clean` at 16 kHz; with `limit`, an evenly
     spaced selection in name order (the dev sets' names cycle through SNRs and noise kinds, so an even
     spacing keeps every SNR and kind)."""
-    from .evaluate import read16k
+    from .audio_cache import read16k
     from .layouts import paired_folders
 
     folder = Path(folder)
@@ -58,7 +60,7 @@ def load_dev_pairs(folder, limit: int | None = None) -> list[tuple[str, np.ndarr
     for p in pairs:
         noisy, clean = read16k(p.noisy), read16k(p.clean)
         n = min(len(noisy), len(clean))
-        if n < 16000:
+        if n < SAMPLE_RATE:
             raise DataError(f"dev pair {p.name}: shorter than 1 s")
         out.append((p.name, noisy[:n], clean[:n]))
     if not out:

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio_cache import SAMPLE_RATE, cached_audio, stderr_log
+from enhancer.config import SAMPLE_RATE
+
+from .audio_cache import cached_audio, stderr_log
 from .data import MixConfig, Synthesizer
 from .layouts import corpus_layout
 from .manifests import DataError
@@ -34,14 +36,14 @@ UNSEEN_SNRS = (-5, 0, 5, 10, 15, 20)
 UNSEEN_KINDS = ("noise", "music", "babble")  # one per file in turn
 DEV_SEED = 20261121
 UNSEEN_SEED = 20261122
-SHARED_P287 = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "dev" / "valentini_p287"
 
 
 def build_devset(data_root, out, n: int = 150, seconds: tuple[float, float] = (8.0, 10.0), snrs=SNRS,
-                 seed: int = DEV_SEED, real_pairs=SHARED_P287, cache_root=None, log=stderr_log,
+                 seed: int = DEV_SEED, real_pairs=None, cache_root=None, log=stderr_log,
                  unseen: bool = False) -> Path:
     """Write the dev test set into `out` (replaced if it exists). Returns `out`. With `unseen`, the
-    unseen-source set (module docstring)."""
+    unseen-source set (module docstring). `real_pairs`: a folder of real noisy/ and clean/ pairs to
+    add (the CLI's default: the p287 pairs beside the checkout); None: none."""
     import soundfile as sf
 
     data = corpus_layout(data_root, hold_out=unseen)
@@ -98,7 +100,8 @@ def build_devset(data_root, out, n: int = 150, seconds: tuple[float, float] = (8
     return out
 
 
-def add_devset(sub) -> None:
+def add_devset(sub, real_pairs: Path | None = None) -> None:
+    """`devset`; `real_pairs`: the default of --real-pairs."""
     p = sub.add_parser("devset", help="build the dev test set from the validation speakers and noises")
     p.add_argument("--data", required=True, help="corpus root with manifests/ (materialize.sh output)")
     p.add_argument("--out", required=True, help="output folder (noisy/, clean/, manifest.tsv)")
@@ -107,7 +110,8 @@ def add_devset(sub) -> None:
     p.add_argument("--unseen", action="store_true",
                    help="noise and music only from the sources held out of training whole (training.holdout), "
                         "-5..20 dB, one category per file in turn: the set to select checkpoints on")
-    p.add_argument("--real-pairs", default=str(SHARED_P287), help="folder with noisy/ and clean/ real pairs ('' for none)")
+    p.add_argument("--real-pairs", default="" if real_pairs is None else str(real_pairs),
+                   help="folder with noisy/ and clean/ real pairs ('' for none; default: ../shared/data/dev/valentini_p287)")
     p.set_defaults(func=cmd_devset)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+INPUT_RATE = 16000  # the DNSMOS models' input rate
 WINDOW = 144160  # 9.01 s
 INPUT_SECONDS = 9.01
 
@@ -49,8 +49,8 @@ class DNSMOS:
             raise ValueError(f"DNSMOS needs a non-empty mono signal, got shape {x.shape}")
         while len(x) < WINDOW:
             x = np.concatenate([x, x])
-        count = int(np.floor(len(x) / SAMPLE_RATE) - INPUT_SECONDS) + 1
-        starts = [i * SAMPLE_RATE for i in range(count) if i * SAMPLE_RATE + WINDOW <= len(x)]
+        count = int(np.floor(len(x) / INPUT_RATE) - INPUT_SECONDS) + 1
+        starts = [i * INPUT_RATE for i in range(count) if i * INPUT_RATE + WINDOW <= len(x)]
         return np.stack([x[s:s + WINDOW] for s in starts])  # (W, 144160)
 
     def score(self, audio: np.ndarray) -> dict[str, float]:

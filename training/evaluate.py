@@ -24,16 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio_cache import AudioReadError, load_audio
+from enhancer.config import SAMPLE_RATE
+
+from .audio_cache import read16k
 from .devnames import KINDS, kind_of
 from .layouts import Pair, dns_test_pairs, paired_folders, voicebank_test_pairs
 from .manifests import DataError
+from .metrics import DNSMOS_KEYS, INTRUSIVE, LABELS
 
-SAMPLE_RATE = 16000
-INTRUSIVE = ("pesq_wb", "stoi", "estoi", "si_sdr")
-DNSMOS_KEYS = ("dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")
-LABELS = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "estoi": "ESTOI", "si_sdr": "SI-SDR (dB)",
-          "dnsmos_sig": "DNSMOS SIG", "dnsmos_bak": "DNSMOS BAK", "dnsmos_ovrl": "DNSMOS OVRL"}
 
 
 # --------------------------------------------------------------------------- models
@@ -121,13 +119,6 @@ def _score_job(args):
 
 
 # --------------------------------------------------------------------------- driver
-def read16k(path) -> np.ndarray:
-    try:
-        return load_audio(path, SAMPLE_RATE, quality="VHQ")
-    except AudioReadError as e:
-        raise DataError(f"{path}: {e}") from None
-
-
 def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=None, jobs: int = 1,
              write_audio: bool = True, seed: int = 0, log=None, progress: bool = True) -> dict:
     """Enhance and score every pair; write the reports to `out`; return the summary. Says what it
@@ -149,7 +140,7 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
     pool = ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(dnsmos_dir,)) if jobs > 1 else None
     if pool is None:
         _init_worker(dnsmos_dir)
-    metrics_named = (["PESQ-WB", "STOI", "ESTOI", "SI-SDR"] if has_clean else []) + (["DNSMOS"] if dnsmos_dir else [])
+    metrics_named = ([LABELS[k].split(" (")[0] for k in INTRUSIVE] if has_clean else []) + (["DNSMOS"] if dnsmos_dir else [])
     log(f"evaluating {model} on {len(pairs)} file(s){' (streaming)' if streaming else ''}: enhancing, then scoring "
         f"noisy and enhanced with {', '.join(metrics_named)}{f' in {jobs} processes' if jobs > 1 else ''}")
     rows, futures, seconds = {}, [], {}
@@ -251,7 +242,8 @@ def markdown_table(summary: dict, keys) -> str:
 
 
 # --------------------------------------------------------------------------- CLI
-def add_eval(sub) -> None:
+def add_eval(sub, dnsmos_dir: Path | None = None) -> None:
+    """`eval`; `dnsmos_dir`: the default of --dnsmos (the CLI passes the models beside the checkout)."""
     p = sub.add_parser("eval", help="score a model on paired noisy/clean folders",
                        description="Enhance noisy files and report PESQ-WB, STOI, ESTOI, SI-SDR and DNSMOS "
                                    "for the noisy input and the enhanced output.")
@@ -264,6 +256,7 @@ def add_eval(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="report folder")
     p.add_argument("--streaming", action="store_true", help="run through the streaming runtime in random chunk sizes")
     p.add_argument("--dnsmos", type=Path, help="DNSMOS model folder (default: ../shared/data/dnsmos if present)")
+    p.set_defaults(default_dnsmos=dnsmos_dir)
     p.add_argument("--no-dnsmos", action="store_true", help="skip DNSMOS")
     p.add_argument("--jobs", type=int, default=1, help="processes scoring files in parallel")
     p.add_argument("--limit", type=int, help="score only the first N pairs")
@@ -284,12 +277,10 @@ def eval_pairs(args) -> list[Pair]:
 
 
 def cmd_eval(args) -> int:
-    from .cli import default_dnsmos_dir
-
     pairs = eval_pairs(args)
     if args.limit:
         pairs = pairs[: args.limit]
-    dnsmos_dir = None if args.no_dnsmos else (args.dnsmos or default_dnsmos_dir())
+    dnsmos_dir = None if args.no_dnsmos else (args.dnsmos or args.default_dnsmos)
     if args.dnsmos and not args.dnsmos.is_dir():
         raise DataError(f"--dnsmos: folder not found: {args.dnsmos}")
     summary = evaluate(args.model, pairs, args.out, args.streaming, dnsmos_dir, args.jobs, not args.no_audio, args.seed)

@@ -30,7 +30,7 @@ import torch
 from enhancer import ModelConfig, build_model, load_checkpoint
 from enhancer.checkpoint import read_checkpoint
 from enhancer.errors import CheckpointError
-from enhancer.model import count_parameters, features
+from enhancer.model import count_parameters
 
 from .audio_cache import cached_audio, default_cache_root
 from .checkpoints import CheckpointDir
@@ -39,7 +39,7 @@ from .devscore import DevScore, DevScorer, combine, load_dev_pairs
 from .distributed import Dist
 from .layouts import TrainingData
 from .manifests import describe
-from .objective import band_weight, batch_loss, compared, feature_stats
+from .objective import batch_loss, feature_stats, loss_sums
 from .progress import Progress
 
 METRICS_COLUMNS = ("step", "examples", "hours", "split", "loss", "lr", "audio_s_per_s", "grad_norm")
@@ -107,8 +107,20 @@ def cosine_lr(step: int, peak: float, warmup: int, total: int, final: float) -> 
     return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * t))
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from: its path, what `read_checkpoint` read, its training state."""
+
+    path: Path
+    blob: dict
+    state: dict  # blob["extra"]["train"]: step, examples, hours, lr, best_valid, mix, seed, batch_size ...
+
+
 # --------------------------------------------------------------------------- the trainer
 class Trainer:
+    """One run: `setup()` (resume or start, data, model, optimiser, schedule, dev set, run folder),
+    then `run()` (the loop). Every attribute is created here; `setup` fills them in named steps."""
+
     def __init__(self, opts: FitOptions, data: TrainingData, dist: Dist | None = None, log=None):
         self.opts = opts
         self.dist = dist or Dist()
@@ -116,6 +128,30 @@ class Trainer:
         self.out = Path(opts.out)
         self.data = data
         self.stop_reason: str | None = None
+        self.ckpt = CheckpointDir(self.out, opts.keep_last)
+        # the run's settings (`_choose_model`, `_choose_settings`)
+        self.cfg: ModelConfig | None = None
+        self.mix: MixConfig | None = None
+        self.batch_size = 0  # examples per step and process
+        self.seed = opts.seed
+        self.threads = 1  # torch threads of this process
+        self.precision = "fp32"  # autocast precision: fp32, bf16 or fp16
+        # data (`_load_data`)
+        self.cache_root: Path | None = None
+        self.valid: dict | None = None  # the fixed validation set: noisy, clean, bandwidth_hz arrays
+        self.synth: Synthesizer | None = None  # the seeded stream of training examples
+        # model and optimiser (`_build_model`)
+        self.core = None  # the TIMNet
+        self.net = None  # what the step runs: `core`, or its DistributedDataParallel wrapper
+        self.opt: torch.optim.Optimizer | None = None
+        self.scaler = None  # GradScaler for fp16
+        # progress (`_restore_progress`, the loop)
+        self.step, self.examples, self.hours = 0, 0, 0.0
+        self.lr, self.best, self.bad = opts.lr, math.inf, 0  # lr now, best validation loss, validations since
+        self.best_dev: DevScore | None = None
+        self.total_steps: int | None = None  # cosine schedule: the step at which the lr reaches final_lr
+        self.dev_scorer: DevScorer | None = None
+        self.saved_step = -1  # the step of the last checkpoint written (-1: none in this run)
 
     @staticmethod
     def _log(msg: str) -> None:
@@ -123,33 +159,62 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        o, d = self.opts, self.dist
-        ckdir = CheckpointDir(self.out, o.keep_last)
-        self.ckpt = ckdir
-        resume_path = self._resume_path(ckdir)
-        blob = read_checkpoint(resume_path) if resume_path else None
-        state = blob["extra"].get("train") if blob else None
-        if blob is not None and state is None:
-            raise CheckpointError(f"{resume_path} holds no training state (not written by enhancer-train fit)")
+        resume = self._resume_point()
+        init_model = self._choose_model(resume)
+        self._choose_settings(resume)
+        self._load_data()
+        self._build_model(resume, init_model)
+        self._restore_progress(resume)
+        self._setup_schedule()
+        self._setup_dev()
+        self._start_run_folder(resume)
+        d = self.dist
+        self.log(f"model {self.cfg.name}: {count_parameters(self.core) / 1e6:.2f} M parameters; "
+                 f"{d.world} process(es) x {self.threads} thread(s) on {d.device}; precision {self.precision}; "
+                 f"batch {self.batch_size} x {d.world} of {self.mix.segment_seconds:g} s")
 
-        self.cfg = self._model_config(blob, resume_path)
-        init_model = None
-        if blob is None and o.init:  # fine-tuning: weights, config and feature statistics of the checkpoint
-            init_model = load_checkpoint(o.init)
-            if o.config is not None and o.config != init_model.config:
-                raise CheckpointError(f"--init {o.init}: its config ({init_model.config.name}) differs from --preset/--config")
-            self.cfg = init_model.config
+    def _resume_point(self) -> ResumePoint | None:
+        """The checkpoint to resume from (`--resume`, by default the latest in OUT), if any."""
+        path = self._resume_path(self.ckpt)
+        if path is None:
+            return None
+        blob = read_checkpoint(path)
+        state = blob["extra"].get("train")
+        if state is None:
+            raise CheckpointError(f"{path} holds no training state (not written by enhancer-train fit)")
+        return ResumePoint(path, blob, state)
+
+    def _choose_model(self, resume: ResumePoint | None):
+        """The model config: the resumed run's, --init's (fine-tuning: returns that model), or the
+        options' (default `tim`)."""
+        o = self.opts
+        self.cfg = self._model_config(resume.blob if resume else None, resume.path if resume else None)
+        if resume is not None or not o.init:
+            return None
+        init_model = load_checkpoint(o.init)  # fine-tuning: weights, config and feature statistics of the checkpoint
+        if o.config is not None and o.config != init_model.config:
+            raise CheckpointError(f"--init {o.init}: its config ({init_model.config.name}) differs from --preset/--config")
+        self.cfg = init_model.config
+        return init_model
+
+    def _choose_settings(self, resume: ResumePoint | None) -> None:
+        """Mixing, batch size and seed (the resumed run's unless given), threads and precision."""
+        o, d = self.opts, self.dist
+        state = resume.state if resume else None
         base = state["mix"] if state is not None else MixConfig().to_dict()
         self.mix = MixConfig.from_dict({**base, **o.mix})
         self.batch_size = o.batch_size or (state["batch_size"] if state is not None else 16)
         if self.batch_size < 1:
             raise ValueError("batch size must be >= 1")
         self.seed = state["seed"] if state else o.seed
-        threads = o.threads or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", d.world))))
-        torch.set_num_threads(threads)
+        self.threads = o.threads or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", d.world))))
+        torch.set_num_threads(self.threads)
         self.precision = choose_precision(o.precision, d.device)
 
-        # data: decode once (rank 0 first, the others then read the same cache)
+    def _load_data(self) -> None:
+        """Decode the data once (rank 0 first, the others then read the same cache); the fixed
+        validation set and the seeded example stream."""
+        o, d = self.opts, self.dist
         cache = Path(o.cache_dir) if o.cache_dir else default_cache_root()
         self.cache_root = cache
         sets = {}
@@ -170,10 +235,13 @@ class Trainer:
                 self.log(f"  {cat:6s} {split:5s} {describe(s.items)} cached, {len(s.skipped)} skipped")
         self.log(f"  speech sources (share of examples): {self.synth.speech.shares()}")
 
-        # model, optimiser, state
+    def _build_model(self, resume: ResumePoint | None, init_model) -> None:
+        """The model (resumed, fine-tuned from --init, or new with feature statistics of the data),
+        its DDP wrapper under torchrun, the optimiser and the fp16 gradient scaler."""
+        o, d = self.opts, self.dist
         torch.manual_seed(self.seed)
-        if blob is not None:
-            model = load_checkpoint(resume_path).train()
+        if resume is not None:
+            model = load_checkpoint(resume.path).train()
         elif init_model is not None:
             model = init_model.train()
             self.log(f"starting from the weights of {o.init}")
@@ -192,33 +260,40 @@ class Trainer:
                            gradient_as_bucket_view=True)
         self.opt = torch.optim.Adam(self.core.parameters(), lr=o.lr)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+
+    def _restore_progress(self, resume: ResumePoint | None) -> None:
+        """Step, audio seen, learning rate, best scores, optimiser state and random state of the
+        resumed run (a new run starts at step 0)."""
+        o, d = self.opts, self.dist
         self.step, self.examples, self.hours = 0, 0, 0.0
         self.lr, self.best, self.bad = o.lr, math.inf, 0
-        if state is not None:
-            self.opt.load_state_dict(blob["extra"]["optimizer"])
-            self.step, self.examples, self.hours = state["step"], state["examples"], state["hours"]
-            self.lr, self.best, self.bad = state["lr"], state["best_valid"], state["bad_validations"]
-            rng = blob["extra"].get("rng") or []
-            if len(rng) == d.world:
-                torch.set_rng_state(rng[d.rank])
-            else:
-                self.log(f"warning: checkpoint has random states for {len(rng)} process(es), this run has {d.world}; "
-                         "dropout masks will differ from an uninterrupted run")
-            self.log(f"resumed from {resume_path} at step {self.step} ({self.examples} examples, lr {self.lr:.2e}, "
-                     f"best valid {self.best:.4f})")
-        self.best_dev = DevScore.from_dict(state.get("best_dev")) if state is not None else None
-        self._setup_schedule()
-        self._setup_dev()
-        self.saved_step = self.step if blob is not None else -1
-        if d.main:
+        self.best_dev = None
+        if resume is None:
+            return
+        state, extra = resume.state, resume.blob["extra"]
+        self.opt.load_state_dict(extra["optimizer"])
+        self.step, self.examples, self.hours = state["step"], state["examples"], state["hours"]
+        self.lr, self.best, self.bad = state["lr"], state["best_valid"], state["bad_validations"]
+        rng = extra.get("rng") or []
+        if len(rng) == d.world:
+            torch.set_rng_state(rng[d.rank])
+        else:
+            self.log(f"warning: checkpoint has random states for {len(rng)} process(es), this run has {d.world}; "
+                     "dropout masks will differ from an uninterrupted run")
+        self.log(f"resumed from {resume.path} at step {self.step} ({self.examples} examples, lr {self.lr:.2e}, "
+                 f"best valid {self.best:.4f})")
+        self.best_dev = DevScore.from_dict(state.get("best_dev"))
+
+    def _start_run_folder(self, resume: ResumePoint | None) -> None:
+        """config.json, train.json and metrics.csv (rows past the resumed step dropped), on rank 0."""
+        self.saved_step = self.step if resume is not None else -1
+        if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
             self._write_run_files()
             self._trim_metrics()
-        self.log(f"model {self.cfg.name}: {count_parameters(self.core) / 1e6:.2f} M parameters; "
-                 f"{d.world} process(es) x {threads} thread(s) on {d.device}; precision {self.precision}; "
-                 f"batch {self.batch_size} x {d.world} of {self.mix.segment_seconds:g} s")
 
     def _setup_schedule(self) -> None:
+        """Check the schedule's options and set the optimiser's lr for the current step."""
         o = self.opts
         if o.schedule not in ("plateau", "cosine"):
             raise ValueError(f"schedule must be plateau or cosine, got {o.schedule!r}")
@@ -239,6 +314,7 @@ class Trainer:
             g["lr"] = self.lr
 
     def _setup_dev(self) -> None:
+        """The dev set scorer (`--dev`), if any."""
         o, d = self.opts, self.dist
         self.dev_scorer = None
         if o.dev is None:
@@ -343,26 +419,17 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, batch: int = 16) -> float:
-        """Weighted MSE over the fixed validation set (each rank scores a share)."""
+        """The log-magnitude loss over the fixed validation set (each rank scores a share): the
+        objective's weighted squared errors summed over every batch and process, over the weight."""
         self.core.eval()
         v, d = self.valid, self.dist
-        cfg = self.core.config
         err = count = 0.0
         for start in range(d.rank * batch, len(v["noisy"]), batch * d.world):
             sl = slice(start, start + batch)
-            noisy = torch.from_numpy(v["noisy"][sl]).to(d.device)
-            clean = torch.from_numpy(v["clean"][sl]).to(d.device)
-            bw = torch.from_numpy(v["bandwidth_hz"][sl]).to(d.device)
-            x = features.log_magnitude(features.stft(noisy, cfg.stft), cfg.log_eps)  # (b, T, F)
-            y = features.log_magnitude(features.stft(clean, cfg.stft), cfg.log_eps)
-            with self.autocast():
-                gains, _ = self.core(x, pad_end=False)  # (b, T - L, F)
-            t = gains.shape[1]
-            w = band_weight(bw, cfg).expand(-1, t, -1)
-            est, ref = compared(self.core, x[:, :t], y[:, :t], gains.float(), self.opts.loss_floor)
-            e = (est - ref) ** 2
-            err += float((e * w).sum())
-            count += float(w.sum())
+            noisy, clean, bw = (torch.from_numpy(v[k][sl]).to(d.device) for k in ("noisy", "clean", "bandwidth_hz"))
+            sums = loss_sums(self.core, self.core, noisy, clean, bw, self.autocast, self.opts.loss_floor)
+            err += float(sums.log_err)
+            count += float(sums.weight)
         self.core.train()
         err, count = d.sum([err, count])
         return err / max(count, 1.0)

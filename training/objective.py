@@ -7,6 +7,8 @@ model's feature epsilon (`log_eps`, 1e-4 of full scale), as in the paper; a larg
 speech has next to no energy, from dominating the error. The model's inputs do not change."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from enhancer import ModelConfig
@@ -23,14 +25,29 @@ def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return (freqs[None, :] <= bandwidth_hz[:, None] + 1e-3).float()[:, None, :]  # (B, 1, F)
 
 
-def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
-               loss_floor: float | None = None, compressed_weight: float = 0.0,
-               compressed_power: float = COMPRESSED_POWER) -> torch.Tensor:
-    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
+@dataclass
+class LossSums:
+    """The sums a loss is made of, for one batch: the weighted squared errors and the weight.
+    Sums (not means) so that a validation set adds them up over its batches and processes."""
 
-    The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
-    magnitudes (|gain * X|^p against |S|^p, p = `compressed_power`), which weighs the loud bins that
-    carry speech more than the log domain does."""
+    log_err: torch.Tensor  # sum of w * (log-magnitude estimate - clean)^2
+    weight: torch.Tensor  # sum of w: the bins compared (band mask)
+    compressed_err: torch.Tensor | None = None  # sum of w * (|estimate|^p - |clean|^p)^2, when asked for
+
+    def loss(self, compressed_weight: float = 0.0) -> torch.Tensor:
+        """The weighted MSE of the log-magnitude, plus `compressed_weight` times that of the
+        compressed magnitudes."""
+        w = self.weight.clamp_min(1.0)
+        loss = self.log_err / w
+        if compressed_weight > 0.0:
+            loss = loss + compressed_weight * (self.compressed_err / w)
+        return loss
+
+
+def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
+              loss_floor: float | None = None, compressed_power: float | None = None) -> LossSums:
+    """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
+    compressed term only with a `compressed_power`. `net` may be a DDP wrapper of `core`."""
     cfg = core.config
     noisy_mag = features.stft(noisy, cfg.stft).abs()  # (B, T, F)
     clean_mag = features.stft(clean, cfg.stft).abs()
@@ -41,11 +58,24 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
     t = gains.shape[1]
     gains = gains.float()
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
-    loss = weighted_mse(*compared(core, x[:, :t], y[:, :t], gains, loss_floor), w)
-    if compressed_weight > 0.0:
-        loss = loss + compressed_weight * weighted_mse(
-            compressed(gains * noisy_mag[:, :t], compressed_power), compressed(clean_mag[:, :t], compressed_power), w)
-    return loss
+    sums = LossSums(weighted_sq_err(*compared(core, x[:, :t], y[:, :t], gains, loss_floor), w), w.sum())
+    if compressed_power is not None:
+        sums.compressed_err = weighted_sq_err(compressed(gains * noisy_mag[:, :t], compressed_power),
+                                              compressed(clean_mag[:, :t], compressed_power), w)
+    return sums
+
+
+def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
+               loss_floor: float | None = None, compressed_weight: float = 0.0,
+               compressed_power: float = COMPRESSED_POWER) -> torch.Tensor:
+    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
+
+    The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
+    magnitudes (|gain * X|^p against |S|^p, p = `compressed_power`), which weighs the loud bins that
+    carry speech more than the log domain does."""
+    sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, loss_floor,
+                     compressed_power if compressed_weight > 0.0 else None)
+    return sums.loss(compressed_weight)
 
 
 def compressed(mag: torch.Tensor, power: float) -> torch.Tensor:
@@ -72,8 +102,9 @@ def floored_estimate(noisy_logmag: torch.Tensor, gains: torch.Tensor, eps: float
     return torch.log(gains * (noisy_logmag.exp() - eps).clamp_min(0.0) + floor)
 
 
-def weighted_mse(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (((a - b) ** 2) * w).sum() / w.sum().clamp_min(1.0)
+def weighted_sq_err(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum of w * (a - b)^2."""
+    return (((a - b) ** 2) * w).sum()
 
 
 def feature_stats(synth: Synthesizer, n_examples: int, cfg: ModelConfig, batch: int = 32):

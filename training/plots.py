@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifests import DataError
+from enhancer.config import SAMPLE_RATE
 
-SAMPLE_RATE = 16000
+from .audio_cache import read16k
+from .manifests import DataError
 
 
 def _pyplot():
@@ -69,8 +70,6 @@ def log_spectrogram(x: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- figures
 def plot_example(model_path, noisy_path, out, clean_path=None, title: str | None = None) -> Path:
-    from .evaluate import read16k
-
     noisy = read16k(noisy_path)
     clean = read16k(clean_path) if clean_path else None
     enhanced, comp, hop_s = enhance_with_competition(model_path, noisy)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+from enhancer.config import SAMPLE_RATE
+
 KINDS = ("white", "pink", "brown", "hum", "fan", "rain", "keyboard", "beeps")
 
 

@@ -1,9 +1,9 @@
 """Torch model (training, export, reference). Imported only where torch is wanted."""
-from .net import TIMNet, count_parameters, loss_fn
-from ..layout import cache_specs, init_caches, write_rings
+from ..step_io import cache_specs, init_caches, write_rings
+from .net import TIMNet, count_parameters
 from .step import StreamingStep
 
-__all__ = ["TIMNet", "StreamingStep", "cache_specs", "init_caches", "write_rings", "count_parameters", "loss_fn", "build_model"]
+__all__ = ["TIMNet", "StreamingStep", "cache_specs", "init_caches", "write_rings", "count_parameters", "build_model"]
 
 
 def build_model(config) -> TIMNet:

@@ -50,7 +50,7 @@ class EncoderBlock(nn.Module):
         self.g, self.dm = g, cfg.d_model // g
         self.heads_per_mech = cfg.n_heads // g
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.window, self.slope = cfg.window, cfg.leaky_slope
+        self.window, self.slope = cfg.attention_window, cfg.leaky_slope
         hd = self.heads_per_mech * self.head_dim  # = dm
         self.competition = GroupedLinear(g, self.dm, 1) if competition and g > 1 else None
         self.qkv = GroupedLinear(g, self.dm, 3 * hd)

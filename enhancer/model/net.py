@@ -3,12 +3,11 @@
     logmag (B, T, F) -> normalise -> pre-encoder (4 conv) -> [proj] -> 8 encoder blocks -> linear -> sigmoid
 
 The estimate of the clean log-magnitude is `log(gain * |X| + eps)`; the training loss is the MSE
-between it and the clean log-magnitude (paper A.2). Resynthesis uses the noisy phase.
+between it and the clean log-magnitude (paper A.2; `training.objective`). Resynthesis uses the noisy phase.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -65,7 +64,7 @@ class TIMNet(nn.Module):
             silence = torch.full_like(logmag[:, :la], torch.log(torch.tensor(cfg.log_eps)).item())
             x = torch.cat([x, self.normalize(silence)], dim=1)  # (B, T+L, F)
         x = self.proj(self.pre(x))  # (B, S, d_model); step s belongs to frame s - L
-        mask = window_mask(x.shape[1], cfg.window, x.device)
+        mask = window_mask(x.shape[1], cfg.attention_window, x.device)
         comps = []
         for block in self.blocks:
             x, c = block(x, mask)
@@ -97,12 +96,3 @@ class TIMNet(nn.Module):
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
-
-def loss_fn(model: TIMNet, noisy_logmag, clean_logmag, gains, weight=None):
-    """MSE between estimated and clean log-magnitude; `weight` (broadcastable to (B, T, F)) masks
-    bins/frames: the mean is over the weighted bins."""
-    err = (model.estimate_logmag(noisy_logmag, gains) - clean_logmag) ** 2
-    if weight is None:
-        return err.mean()
-    weight = weight.expand_as(err)
-    return (err * weight).sum() / weight.sum().clamp_min(1.0)

@@ -17,11 +17,12 @@ State caches (returned updated, fixed shape, zero for a fresh stream), in this o
     ola        (B, 256)               overlap-add tail of the previous output frame
 Key/value ring buffers (read by the graph, written by the caller in place):
     k0..k7, v0..v7  (B, H, W, dh)     slot `p % W` holds frame p's key/value
-Outputs: out (B, T, 256), the stream delayed by (L + 1) * 256 samples; competition
-(B, T, n_tim, n_s) (models with competition only); activity (B, T) mean gain over 300 Hz..4 kHz;
-kv_rows (B, H, 2N * T, dh) with N = n_layers, i.e. (B, H, 2N, T, dh) flattened: the T frames' keys
-(layers 0..N-1) then values, which the caller writes to slots `(pos + t) % W` of the rings
-(`enhancer.layout.write_rings`); then the new state caches.
+Outputs, named (`enhancer.step_io.output_names`; read them by name with `StepOutputs.decode`):
+out (B, T, 256), the stream delayed by (L + 1) * 256 samples; competition (B, T, n_tim, n_s)
+(models with competition only); activity (B, T) mean gain over 300 Hz..4 kHz; kv_rows
+(B, H, 2N * T, dh) with N = n_layers, i.e. (B, H, 2N, T, dh) flattened: the T frames' keys (layers
+0..N-1) then values, which the caller writes to slots `(pos + t) % W` of the rings
+(`enhancer.step_io.write_rings`); then the new state caches, `<name>_next`.
 
 Inside a call, frame t attends causally to the chunk's frames t - W < t' <= t and to the ring
 slots that hold frames pos + t - W < p < pos (`ring_bias`), so the window is the same as the
@@ -35,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layout import has_competition, state_specs
+from ..step_io import has_competition, state_specs
 from .blocks import chunk_bias, ring_bias
 from .features import dft_bases
 from .net import TIMNet
@@ -73,8 +74,8 @@ class StreamingStep(nn.Module):
         x, tails = net.pre.step(net.normalize(logmag), tails)  # (B*T, C)
         x = net.proj(x)  # (B*T, d_model)
         k_rows, v_rows, comps = [], [], []
-        bias = ring_bias(pos, cfg.window, t)  # (B, 1, T, W), shared by the layers
-        causal = chunk_bias(t, cfg.window, hops.device)  # (T, T)
+        bias = ring_bias(pos, cfg.attention_window, t)  # (B, 1, T, W), shared by the layers
+        causal = chunk_bias(t, cfg.attention_window, hops.device)  # (T, T)
         for block, k, v in zip(net.blocks, ks, vs):
             x, k_row, v_row, c = block.step(x, k, v, pos, bias, causal)
             k_rows.append(k_row)

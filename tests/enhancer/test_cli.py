@@ -17,7 +17,7 @@ from tests.tolerance import assert_close_to_peak, assert_differs
 @pytest.mark.parametrize("preset", ["baseline", "tim-nocomp", "tim4", "tim-lowlatency"])
 def test_export_every_variant_matches_torch(tmp_path, preset, capsys):
     torch.manual_seed(0)
-    cfg = enhancer.ModelConfig.preset(preset, window=8)
+    cfg = enhancer.ModelConfig.preset(preset, attention_window=8)
     ckpt = enhancer.save_checkpoint(enhancer.build_model(cfg).eval(), cfg, tmp_path / "m.pt")
     assert main(["export", str(ckpt), "-o", str(tmp_path / "m.onnx")]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -122,7 +122,7 @@ def test_export_check_runs_lanes_at_different_positions_and_sees_a_mismatch(torc
     from enhancer.export import compare_with_torch
     from enhancer.model import StreamingStep
 
-    w = torch_model.config.window
+    w = torch_model.config.attention_window
     n = 3 * w + 8
     r = compare_with_torch(StreamingStep(torch_model).eval(), model_path, batch=3, n_steps=n)
     s = w // 3 + 1
@@ -141,7 +141,7 @@ def test_export_check_runs_lanes_at_different_positions_and_sees_a_mismatch(torc
 def test_export_fails_when_onnxruntime_is_off_by_more_than_the_gate(tmp_path, monkeypatch, capsys):
     import enhancer.export as ex
 
-    cfg = enhancer.ModelConfig.preset("baseline", window=8)
+    cfg = enhancer.ModelConfig.preset("baseline", attention_window=8)
     ckpt = enhancer.save_checkpoint(enhancer.build_model(cfg).eval(), cfg, tmp_path / "m.pt")
     real = ex.compare_with_torch
 
@@ -154,3 +154,22 @@ def test_export_fails_when_onnxruntime_is_off_by_more_than_the_gate(tmp_path, mo
     err = capsys.readouterr().err
     assert "comparing onnxruntime with torch" in err  # it says what it is doing
     assert "of the output's peak (allowed: 0.0001)" in err
+
+
+def test_commands_of_other_packages_come_from_entry_points(monkeypatch, capsys):
+    """`enhancer` lists the sub-commands of the entry point group `enhancer.commands` (the service's
+    `serve`) without importing their packages itself; one that cannot load says why when called."""
+    import enhancer.cli as cli
+
+    class Broken:
+        name = "broken"
+
+        def load(self):
+            raise ImportError("No module named 'uvicorn'")
+
+    real = cli.entry_points
+    assert [ep.value for ep in real(group=cli.COMMANDS_GROUP) if ep.name == "serve"] == ["server.cli:add_serve"]
+    monkeypatch.setattr(cli, "entry_points", lambda group: [*real(group=group), Broken()])
+    assert main(["broken", "--anything"]) == 2
+    assert "`enhancer broken` cannot run here: ImportError: No module named 'uvicorn'" in capsys.readouterr().err
+    assert "serve" in cli.build_parser().format_help()

@@ -1,4 +1,5 @@
-"""Packaging: the wheel carries the shipped model and a non-editable install finds it."""
+"""Packaging: the wheel carries the shipped model (and no test or benchmark harness), a non-editable
+install finds the model, and the Docker build context leaves the harness out."""
 from __future__ import annotations
 
 import os
@@ -56,6 +57,8 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
         names = set(z.namelist())
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert {"enhancer/models/tim.onnx", "server/static/index.html", "training/quickstart.json"} <= names
+    harness = [n for n in names if n.startswith(("server/tools/", "training/peers/"))]
+    assert not harness, harness  # the test and benchmark tools run from a checkout, they are not shipped
     assert "License-Expression: MIT" in meta
     site = tmp_path / "site"
     inst = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
@@ -70,3 +73,11 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
     module, model, result = run.stdout.strip().splitlines()
     assert module.startswith(str(site)) and model == str(site / "enhancer" / "models" / "tim.onnx"), run.stdout
     assert result == "(16000,) True"
+
+
+def test_docker_context_leaves_the_harness_out():
+    ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    assert {"server/tools", "training/peers", "tests"} <= ignored
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert not {"server.tools", "training.peers"} & set(cfg["tool"]["setuptools"]["packages"])

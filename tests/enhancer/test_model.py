@@ -15,7 +15,7 @@ from enhancer.model.layers import GroupedLinear, window_mask
 def test_causality_every_preset(preset):
     """Output frame t is bit-identical when only input frames later than t + lookahead change."""
     torch.manual_seed(0)
-    cfg = ModelConfig.preset(preset, window=12)
+    cfg = ModelConfig.preset(preset, attention_window=12)
     model = enhancer.build_model(cfg).eval()
     t_len, t = 30, 17
     x = torch.randn(1, t_len, cfg.n_freqs) - 4.0
@@ -37,7 +37,7 @@ def test_causality_every_preset(preset):
 def test_attention_window_limits_the_past():
     """With no conv context left, a frame further back than the window has no influence."""
     torch.manual_seed(0)
-    cfg = ModelConfig.preset("tim", window=4)
+    cfg = ModelConfig.preset("tim", attention_window=4)
     model = enhancer.build_model(cfg).eval()
     x = torch.randn(1, 40, cfg.n_freqs)
     y = x.clone()
@@ -47,7 +47,7 @@ def test_attention_window_limits_the_past():
         gy, _ = model(y)
     # frame 5 reaches conv outputs up to step 5 + 8 (4 layers x 2 frames), attention reaches W-1 further per
     # layer (8 layers), and the output is read L steps later: beyond that nothing can change
-    horizon = 5 + 8 + 8 * (cfg.window - 1) - cfg.lookahead
+    horizon = 5 + 8 + 8 * (cfg.attention_window - 1) - cfg.lookahead
     assert not torch.equal(gx[:, 5], gy[:, 5])
     assert torch.equal(gx[:, horizon + 1:], gy[:, horizon + 1:])
 
@@ -83,7 +83,7 @@ def test_grouped_linear_rejects_wrong_shape():
 @pytest.mark.parametrize("preset, n_s", [("tim", 2), ("tim4", 4)])
 def test_competition_sums_to_one(preset, n_s):
     torch.manual_seed(0)
-    cfg = ModelConfig.preset(preset, window=8)
+    cfg = ModelConfig.preset(preset, attention_window=8)
     model = enhancer.build_model(cfg).eval()
     with torch.no_grad():
         gains, comp = model(torch.randn(2, 20, cfg.n_freqs))
@@ -94,7 +94,7 @@ def test_competition_sums_to_one(preset, n_s):
 
 def test_nocomp_and_baseline_have_no_competition():
     for preset in ("tim-nocomp", "baseline"):
-        cfg = ModelConfig.preset(preset, window=8)
+        cfg = ModelConfig.preset(preset, attention_window=8)
         _, comp = enhancer.build_model(cfg).eval()(torch.randn(1, 10, cfg.n_freqs))
         assert comp is None
 
@@ -144,7 +144,7 @@ def test_checkpoint_round_trip(tmp_path, torch_model):
 
 def test_checkpoint_with_mismatching_config(tmp_path, torch_model):
     path = enhancer.save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
-    with pytest.raises(CheckpointError, match="differs from the requested one in: window"):
+    with pytest.raises(CheckpointError, match="differs from the requested one in: attention_window"):
         enhancer.load_checkpoint(path, config=ModelConfig.preset("tim"))
     # weights that do not fit the stored config
     blob = torch.load(path, weights_only=True)
@@ -152,6 +152,23 @@ def test_checkpoint_with_mismatching_config(tmp_path, torch_model):
     torch.save(blob, tmp_path / "bad.pt")
     with pytest.raises(CheckpointError, match="weights do not match the stored config"):
         enhancer.load_checkpoint(tmp_path / "bad.pt")
+
+
+def test_config_stored_before_the_rename_of_window_still_loads(tmp_path, torch_model):
+    """`attention_window` was stored as `window`: checkpoints, exported models, run folders and
+    --config files written then still load (the shipped model's metadata is one, test_golden)."""
+    cfg = torch_model.config
+    old = cfg.to_dict()
+    old["window"] = old.pop("attention_window")
+    assert ModelConfig.from_dict(old) == cfg
+    assert ModelConfig.preset("tim", window=16) == ModelConfig.preset("tim", attention_window=16)
+    with pytest.raises(ValueError, match="not both"):
+        ModelConfig.from_dict(old | {"attention_window": 16})
+    path = enhancer.save_checkpoint(torch_model, cfg, tmp_path / "m.pt")
+    blob = torch.load(path, weights_only=True)
+    blob["config"] = old
+    torch.save(blob, tmp_path / "old.pt")
+    assert enhancer.load_checkpoint(tmp_path / "old.pt").config == cfg
 
 
 def test_corrupt_or_foreign_checkpoint(tmp_path):
@@ -166,6 +183,6 @@ def test_corrupt_or_foreign_checkpoint(tmp_path):
 
 
 def test_save_refuses_a_config_that_is_not_the_models(tmp_path, torch_model):
-    other = dataclasses.replace(torch_model.config, window=99)
+    other = dataclasses.replace(torch_model.config, attention_window=99)
     with pytest.raises(CheckpointError, match="different config"):
         enhancer.save_checkpoint(torch_model, other, tmp_path / "x.pt")

@@ -68,7 +68,7 @@ def test_int8_runtime_stays_close_to_float32(int8_path, enhancer_rt):
 
 def test_export_cli_int8_and_bench_flag(tmp_path, capsys):
     torch.manual_seed(0)
-    cfg = enhancer.ModelConfig.preset("baseline", window=8)
+    cfg = enhancer.ModelConfig.preset("baseline", attention_window=8)
     ckpt = enhancer.save_checkpoint(enhancer.build_model(cfg).eval(), cfg, tmp_path / "b.pt")
     assert main(["export", str(ckpt), "-o", str(tmp_path / "b.onnx"), "--int8"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from enhancer.errors import AudioError, CheckpointError
-from enhancer.layout import init_caches, output_names, state_specs, write_rings
 from enhancer.model import StreamingStep
 from enhancer.runtime import Enhancer, LanePool, min_gain_for
+from enhancer.step_io import StepOutputs, init_rings, init_states, output_names, write_rings
 from tests.conftest import SHORT_WINDOW, speechlike
 from tests.tolerance import assert_close_to_peak, assert_differs, peak
 
@@ -37,9 +37,7 @@ def torch_streaming(model, x: np.ndarray, chunks=None) -> np.ndarray:
     frames (cycled)."""
     cfg = model.config
     step = StreamingStep(model).eval()
-    caches = [torch.from_numpy(c) for c in init_caches(cfg, 1)]
-    n_state = len(state_specs(cfg))
-    n_head = len(output_names(cfg)) - n_state
+    states, rings = [torch.from_numpy(c) for c in init_states(cfg, 1)], torch.from_numpy(init_rings(cfg, 1))
     hop = cfg.stft.hop
     steps = -(-(cfg.delay_samples + len(x)) // hop)
     xp = np.zeros(steps * hop, np.float32)
@@ -49,10 +47,10 @@ def torch_streaming(model, x: np.ndarray, chunks=None) -> np.ndarray:
     with torch.no_grad():
         while s < steps:
             t = min(chunks[i % len(chunks)] if chunks else 1, steps - s)
-            o = step(torch.from_numpy(hops[:, s:s + t]), torch.zeros(1), pos, *caches)
-            outs.append(o[0][0].numpy().reshape(-1))
-            write_rings(caches[n_state:], o[n_head - 1], pos, cfg.window)
-            caches[:n_state] = list(o[n_head:])
+            o = StepOutputs.decode(cfg, step(torch.from_numpy(hops[:, s:s + t]), torch.zeros(1), pos, *states, *rings))
+            outs.append(o.out[0].numpy().reshape(-1))
+            write_rings(rings, o.kv_rows, pos, cfg.attention_window)
+            states = list(o.states)
             pos, s, i = pos + t, s + t, i + 1
     return np.concatenate(outs)[cfg.delay_samples: cfg.delay_samples + len(x)]
 
@@ -240,3 +238,41 @@ def test_model_of_another_step_format_is_refused(model_path, tmp_path):
     with pytest.raises(CheckpointError, match="step graph format '1'.*re-export"):
         Enhancer.from_pretrained(old)
     Enhancer.from_pretrained(model_path)  # the original loads
+
+
+def test_outputs_are_read_by_name_whatever_their_order_in_the_graph(model_path, enhancer_rt, tmp_path):
+    """The runtime decodes the step's outputs by their names: a graph listing them in another
+    order gives the same audio and metadata."""
+    import onnx
+
+    proto = onnx.load(str(model_path))
+    outputs = list(proto.graph.output)
+    assert [o.name for o in outputs] == output_names(enhancer_rt.config)
+    del proto.graph.output[:]
+    proto.graph.output.extend(outputs[::-1])
+    shuffled = tmp_path / "reversed-outputs.onnx"
+    onnx.save(proto, str(shuffled))
+    other = Enhancer.from_pretrained(shuffled, providers=["CPUExecutionProvider"])
+    assert other.engine.output_names[0] != "out"
+    x = speechlike(9000, seed=11)
+    np.testing.assert_array_equal(other.enhance(x, 16000), enhancer_rt.enhance(x, 16000))
+    a, b = other.stream(metadata=True), enhancer_rt.stream(metadata=True)
+    a.feed(x[:4000]), b.feed(x[:4000])
+    for ma, mb in zip(a.pop_metadata(), b.pop_metadata(), strict=True):
+        np.testing.assert_array_equal(ma["competition"], mb["competition"])
+        np.testing.assert_array_equal(ma["activity"], mb["activity"])
+
+
+def test_step_outputs_decode_by_name():
+    from enhancer import ModelConfig
+
+    cfg = ModelConfig.preset("tim", attention_window=4)
+    names = output_names(cfg)
+    o = StepOutputs.decode(cfg, list(range(len(names))))
+    assert (o.out, o.competition, o.activity, o.kv_rows) == (0, 1, 2, 3) and o.states == list(range(4, len(names)))
+    back = StepOutputs.decode(cfg, list(range(len(names)))[::-1], names[::-1])
+    assert back == o
+    plain = ModelConfig.preset("baseline", attention_window=4)
+    assert StepOutputs.decode(plain, list(range(len(output_names(plain))))).competition is None
+    with pytest.raises(ValueError, match="step outputs"):
+        StepOutputs.decode(cfg, [0, 1])

@@ -170,8 +170,16 @@ def test_run_reports_model_and_device_problems_plainly(tmp_path, model_path):
             server.run(model=model_path, device="cuda", port=1)
 
 
+def test_enhancer_serve_dispatches_to_the_service(tmp_path, capsys):
+    """`enhancer serve` is the service's sub-command (server.cli, found through an entry point)."""
+    from enhancer.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "nope.onnx"), "--port", "1"]) == 2
+    assert "model file not found" in capsys.readouterr().err
+
+
 def test_serving_process_does_not_import_torch(model_path):
-    code = ("import sys, server, server.app, server.rest, server.ws, server.scheduler, server.loadtest; "
+    code = ("import sys, server, server.app, server.rest, server.ws, server.scheduler, server.tools.loadtest; "
             f"from server.settings import Settings; app = server.create_app(Settings.build(model={str(model_path)!r})); "
             "from server.scheduler import Scheduler; s = Scheduler(app.state.settings, app.state.metrics); s.start(); "
             "s.stop(); assert 'torch' not in sys.modules, 'torch was imported'; print('ok')")

@@ -18,8 +18,8 @@ from websockets.sync.client import connect
 
 from server import capacity as calibration
 from server.metrics import Metrics
-from server.scheduler import Worker, _Stream
 from server.settings import Settings
+from server.worker import Worker, _Stream
 from tests.conftest import speechlike
 
 from .conftest import TEST_LIMITS, LiveServer

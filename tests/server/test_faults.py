@@ -20,7 +20,7 @@ import soundfile as sf
 from websockets.asyncio.client import connect as aconnect
 from websockets.exceptions import ConnectionClosed
 
-from server.rawws import OP_BINARY, OP_TEXT, RawClient
+from server.tools.rawws import OP_BINARY, OP_TEXT, RawClient
 from tests.conftest import speechlike
 
 from .conftest import TEST_LIMITS, LiveServer

@@ -20,7 +20,7 @@ from websockets.sync.client import connect
 
 import server
 from server.auth import is_public
-from server.rawws import OP_BINARY, OP_CONT, OP_TEXT, RawClient
+from server.tools.rawws import OP_BINARY, OP_CONT, OP_TEXT, RawClient
 from server.settings import Settings
 from tests.conftest import speechlike
 

@@ -7,7 +7,7 @@ import os
 
 import soundfile as sf
 
-from server import audit, soak
+from server.tools import audit, soak
 from tests.conftest import speechlike
 
 

@@ -11,7 +11,7 @@ import soundfile as sf
 from tests.conftest import speechlike
 
 TINY_MODEL = {"preset": "tim", "conv_channels": [32, 32, 16, 32], "d_model": 32, "d_ffn": 64, "n_heads": 4,
-              "window": 16}
+              "attention_window": 16}
 
 
 def tone(n: int, sr: int, freqs, seed: int = 0) -> np.ndarray:

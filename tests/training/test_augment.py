@@ -11,7 +11,7 @@ from tests.conftest import speechlike
 from training import augment
 from training.audio_cache import AudioSet
 from training.cli import main as train_main
-from training.cli import parse_mix_settings
+from training.fit import parse_mix_settings
 from training.data import AUGMENT_RECIPE, MixConfig, Synthesizer
 from training.devscore import DevScore
 from training.holdout import UNSEEN_SOURCES, split_unseen

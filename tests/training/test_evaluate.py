@@ -12,7 +12,8 @@ from pesq import pesq
 from pystoi import stoi
 
 from tests.conftest import speechlike
-from training.cli import default_dnsmos_dir, main
+from training.cli import main
+from training.defaults import default_dnsmos_dir
 from training.metrics import si_sdr
 from tests.tolerance import assert_close_to_peak, assert_differs
 

@@ -164,7 +164,8 @@ def test_dns_root_and_manifest_sources(tmp_path, corpus):
     import soundfile as sf
 
     from tests.conftest import speechlike
-    from training.cli import build_parser, training_data
+    from training.cli import build_parser
+    from training.fit import training_data
 
     ds = tmp_path / "DNS-Challenge" / "datasets"
     (ds / "clean").mkdir(parents=True)

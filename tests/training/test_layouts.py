@@ -9,7 +9,7 @@ import soundfile as sf
 
 from tests.conftest import speechlike
 from training import layouts
-from training.evaluate import read16k
+from training.audio_cache import read16k
 from training.manifests import DataError, Item, read_manifest, write_manifest
 
 

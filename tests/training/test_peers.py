@@ -10,13 +10,13 @@ import soundfile as sf
 
 from tests.conftest import speechlike
 from training.manifests import DataError
-from training.peers import add_bench_peers, cmd_bench_peers, peer_names
-from training.peers_adapters import PEERS, Peer, make_peer
-from training.peers_align import estimate_delay, fit, measure_delay, resample
-from training.peers_pairs import find_pairs, read_snr_manifest, snr_of
-from training.peers_report import markdown, summarize, write_reports
-from training.peers_run import PeerSpec, describe, run_benchmark
-from training.peers_score import score
+from training.peers.adapters import PEERS, Peer, make_peer
+from training.peers.align import estimate_delay, fit, measure_delay, resample
+from training.peers.cli import add_bench_peers, cmd_bench_peers, peer_names
+from training.peers.pairs import find_pairs, read_snr_manifest, snr_of
+from training.peers.report import markdown, summarize, write_reports
+from training.peers.run import PeerSpec, describe, run_benchmark
+from training.peers.score import score
 
 
 class Delayed(Peer):

@@ -6,12 +6,11 @@ benchmark and the evaluation of the model always agree.
 """
 from __future__ import annotations
 
-from .metrics import SAMPLE_RATE as SCORE_RATE
-from .metrics import intrusive
-from .peers_align import as_mono, resample
+from enhancer.config import SAMPLE_RATE as SCORE_RATE
 
-METRICS = ("pesq_wb", "stoi", "estoi", "si_sdr")
-LABELS = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "estoi": "ESTOI", "si_sdr": "SI-SDR (dB)"}
+from ..metrics import INTRUSIVE as METRICS
+from ..metrics import intrusive
+from .align import as_mono, resample
 
 
 def score(enhanced, clean, sr: int) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Dependency audit of what the service runs on: the installed closure of the `cpu` and `serve`
 extras plus the core dependencies (what the Docker image installs), checked with pip-audit.
 
-    python -m server.audit [--json artifacts/reliability/audit.json]
+    python -m server.tools.audit [--json artifacts/reliability/audit.json]
 
 pip-audit asks PyPI's per-version JSON API for known vulnerabilities. Where that answer is not
 available (a package index mirror that serves only the project pages), the package is reported
@@ -76,7 +76,7 @@ def project_page(name: str) -> dict | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.audit", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m server.tools.audit", description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     packages = closure()

@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from .peers_adapters import make_peer, single_thread
-from .peers_align import as_mono
-from .peers_pairs import Pair
-from .peers_score import METRICS, score
+from enhancer.config import SAMPLE_RATE
+
+from .adapters import make_peer, single_thread
+from .align import as_mono
+from .pairs import Pair
+from .score import METRICS, score
 
 WARMUP_SECONDS = 1.0
 
@@ -47,8 +49,8 @@ def _peer(spec: PeerSpec):
         peer = make_peer(spec.name, spec.model, spec.label)
         t0 = time.perf_counter()
         peer.ensure_loaded()
-        warm = (0.01 * np.random.default_rng(0).standard_normal(int(WARMUP_SECONDS * 16000))).astype(np.float32)
-        peer.enhance(warm, 16000)
+        warm = (0.01 * np.random.default_rng(0).standard_normal(int(WARMUP_SECONDS * SAMPLE_RATE))).astype(np.float32)
+        peer.enhance(warm, SAMPLE_RATE)
         _loaded[spec] = (peer, time.perf_counter() - t0)
     return _loaded[spec]
 

@@ -1,11 +1,11 @@
 """Soak: the load benchmark for N minutes at a given stream count with the server's memory sampled
 throughout, then connect/disconnect cycles; a table and a plot.
 
-    python -m server.soak --streams 16 --minutes 10                  # starts a server
-    python -m server.soak --streams 16 --minutes 10 --url ws://127.0.0.1:8000/v1/stream --server-pid PID
-    python -m server.soak --streams 2 --minutes 0.5 --cycles 200      # a quick check of the tooling
+    python -m server.tools.soak --streams 16 --minutes 10                  # starts a server
+    python -m server.tools.soak --streams 16 --minutes 10 --url ws://127.0.0.1:8000/v1/stream --server-pid PID
+    python -m server.tools.soak --streams 2 --minutes 0.5 --cycles 200      # a quick check of the tooling
 
-Loopback only. Late messages, latency and errors come from `server.loadtest`'s clients; RSS,
+Loopback only. Late messages, latency and errors come from `server.tools.loadtest`'s clients; RSS,
 descriptors and threads of the server from /proc every `--sample-s`. RSS growth compares the
 median of the last `--window-s` with that of the first window after `--warmup-s` (allocator
 pools, onnxruntime's arena and caches fill during warm-up), and that of the middle of the run (a
@@ -25,11 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import loadtest
+from . import REPO_ROOT, loadtest
+from .machine_stalls import STALL_S
 from .rawws import RawClient
-from .stalls import STALL_S
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------- sampling
@@ -237,7 +235,7 @@ def plot(r: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m server.tools.soak", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--cycles", type=int, default=1000, help="connect/disconnect cycles after the soak (0: none)")
@@ -255,7 +253,7 @@ def main(argv=None) -> int:
     p.add_argument("--window-s", type=float, default=30.0)
     p.add_argument("--max-growth-pct", type=float, default=5.0)
     p.add_argument("--max-cycle-growth-mb", type=float, default=10.0)
-    p.add_argument("--out", default=str(ROOT / "artifacts" / "reliability" / "soak"))
+    p.add_argument("--out", default=str(REPO_ROOT / "artifacts" / "reliability" / "soak"))
     args = p.parse_args(argv)
     if args.url and not args.server_pid:
         p.error("--url needs --server-pid (memory is sampled from /proc)")

@@ -3,9 +3,9 @@
     enhancer-train bench-peers --noisy DIR --clean DIR [--out DIR] [--model PATH] [--peers a,b,c] [--jobs N]
 
 Runs "noisy" (the unprocessed input, the reference row), "tim-enhancer" (default model
-`models/tim.onnx`) and every peer of `peers_adapters.PEERS` that is installed (`pip install
+`models/tim.onnx`) and every peer of `adapters.PEERS` that is installed (`pip install
 .[bench]`, or `make bench-peers`) on the same files, scores all of them with one scorer
-(`peers_score.score`) and writes `per_file.csv`, `summary.json` and `summary.md` to `--out`.
+(`score.score`) and writes `per_file.csv`, `summary.json` and `summary.md` to `--out`.
 Peers that are not installed, fail to load or fail on a file are reported, never fatal.
 
     enhancer-train bench-peers --list                       which peers can run here
@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from .manifests import DataError
-from .peers_adapters import PEERS, TimEnhancer, make_peer, single_thread
-from .peers_align import measure_delay
-from .layouts import audio_files
-from .peers_pairs import SNR_PATTERN, find_pairs
-from .peers_report import write_reports
-from .peers_run import PeerSpec, read_mono, run_benchmark
+from ..layouts import audio_files
+from ..manifests import DataError
+from .adapters import PEERS, TimEnhancer, make_peer, single_thread
+from .align import measure_delay
+from .pairs import SNR_PATTERN, find_pairs
+from .report import write_reports
+from .run import PeerSpec, read_mono, run_benchmark
 
 DEFAULT_OUT = Path("runs/bench-peers")
 
@@ -42,7 +42,7 @@ def add_bench_peers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, help="tim-enhancer ONNX model (default: the shipped models/tim.onnx)")
     p.add_argument("--model-label", help="name of the tim-enhancer row (default tim-enhancer)")
     p.add_argument("--peers", help=f"comma-separated subset of: {', '.join(PEERS)} (default: all; noisy always runs); "
-                                   "module:Class adds an adapter of one's own (a training.peers_adapters.Peer)")
+                                   "module:Class adds an adapter of one's own (a training.peers.adapters.Peer)")
     p.add_argument("--jobs", type=int, default=1, help="peers run at once, one process and CPU thread each (default 1)")
     p.add_argument("--snr-regex", default=SNR_PATTERN, help=f"SNR in file names, first group in dB (default {SNR_PATTERN!r})")
     p.add_argument("--manifest", type=Path, help="CSV/TSV/JSONL with 'snr' and a file column (overrides names)")
@@ -131,7 +131,7 @@ def cmd_bench_peers(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry (`python -m training.peers ...`), the same as `enhancer-train bench-peers`."""
+    """Stand-alone entry (`python -m training.peers ...`, see `__main__`), the same as `enhancer-train bench-peers`."""
     parser = argparse.ArgumentParser(prog="bench-peers")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_peers(sub)
@@ -142,6 +142,3 @@ def main(argv=None) -> int:
         print(f"bench-peers: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from . import REPO_ROOT
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -37,7 +37,7 @@ class ServerProcess:
         code = (f"import server; server.run(host='127.0.0.1', port={self.port}, model={str(model)!r}, "
                 f"**{settings!r})")
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
+            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                                          stderr=log, preexec_fn=_die_with_parent)
         self.pid = self.proc.pid
 

@@ -3,7 +3,7 @@
 Every peer is scored against the clean reference sample for sample, so each output must have the
 input's length and no delay. `fit` drops a known delay and trims or zero-pads to a length;
 `estimate_delay` finds a delay by cross-correlating an output with its input (how the delays
-declared in `peers_adapters` were measured, and how `bench-peers --measure-delays` checks them).
+declared in `adapters` were measured, and how `bench-peers --measure-delays` checks them).
 """
 from __future__ import annotations
 

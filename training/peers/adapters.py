@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .peers_align import as_mono, fit, resample
+from .align import as_mono, fit, resample
 
 
 class Peer:
@@ -396,7 +396,7 @@ def make_peer(name: str, model=None, model_label: str | None = None) -> Peer:
         except (ImportError, AttributeError) as e:
             raise ValueError(f"peer {name!r}: {e}") from None
         if not isinstance(peer, Peer):
-            raise ValueError(f"peer {name!r} is not a training.peers_adapters.Peer")
+            raise ValueError(f"peer {name!r} is not a training.peers.adapters.Peer")
         return peer
     raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)} or give module:Class")
 

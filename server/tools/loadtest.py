@@ -1,8 +1,8 @@
 """Load benchmark: N websocket clients stream a real file at real-time pace for T seconds.
 
-    python -m server.loadtest --streams 32 --seconds 30            # starts a local server
-    python -m server.loadtest --streams 32 --url ws://127.0.0.1:8000/v1/stream --server-pid PID
-    python -m server.loadtest --overload 2 --seconds 60                # 2x the measured capacity
+    python -m server.tools.loadtest --streams 32 --seconds 30            # starts a local server
+    python -m server.tools.loadtest --streams 32 --url ws://127.0.0.1:8000/v1/stream --server-pid PID
+    python -m server.tools.loadtest --overload 2 --seconds 60                # 2x the measured capacity
 
 Each client sends `--chunk-ms` of audio every `--chunk-ms` (start times spread over one chunk
 period, as independent clients are) and reads the enhanced audio back. Output is sample-aligned
@@ -36,13 +36,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .stalls import STALL_S, MachineStallObserver, freeze_startup_objects, stall_explains
+from ..stalls import freeze_startup_objects
+from . import REPO_ROOT
+from .machine_stalls import STALL_S, MachineStallObserver, stall_explains
 
 LOOP_LAG_UNDER_STALL = f'tim_event_loop_lag_seconds_bucket{{le="{STALL_S}"}}'  # server loop wake-ups that were no stall
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_FILES = sorted((ROOT.parent / "shared" / "data" / "dev" / "valentini_p287" / "noisy").glob("*.wav"))
-RANDOM_MODEL = ROOT / "artifacts" / "loadtest" / "tim-random.onnx"
+DEFAULT_FILES = sorted((REPO_ROOT.parent / "shared" / "data" / "dev" / "valentini_p287" / "noisy").glob("*.wav"))
+RANDOM_MODEL = REPO_ROOT / "artifacts" / "loadtest" / "tim-random.onnx"
 
 
 # ---------------------------------------------------------------------------------- set-up
@@ -373,7 +374,7 @@ async def measure(url: str, audio, rate, args, server_pid) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.loadtest", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m server.tools.loadtest", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--url", help="websocket URL of a running server (default: start one)")

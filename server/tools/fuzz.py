@@ -1,8 +1,8 @@
 """Fuzz the service on loopback: uploads and websocket sessions from hypothesis strategies
 (`fuzz_cases`), and the OpenAPI description with schemathesis.
 
-    python -m server.fuzz --uploads 10000 --sessions 1000 --schemathesis-seconds 120
-    python -m server.fuzz --uploads 200 --url http://127.0.0.1:8000      # a running server
+    python -m server.tools.fuzz --uploads 10000 --sessions 1000 --schemathesis-seconds 120
+    python -m server.tools.fuzz --uploads 200 --url http://127.0.0.1:8000      # a running server
 
 Without --url it starts a server (a random-weight model unless --model or the shipped one) with
 small limits. Every case is checked against an oracle: the server never answers 500 or closes a
@@ -26,11 +26,11 @@ import httpx
 import numpy as np
 import soundfile as sf
 
-from .errors import KINDS
+from ..errors import KINDS
+from . import REPO_ROOT
 from .fuzz_cases import SessionCase, UploadCase, encode_upload, sessions, uploads
 from .rawws import OP_BINARY, OP_PING, OP_TEXT, RawClient
 
-ROOT = Path(__file__).resolve().parent.parent
 INTERNALS = ("Traceback", 'File "', ".py\"", "site-packages", " object at 0x")
 # close codes a stream may end with when the client did something wrong (1002/1007/1009 may
 # also come from the websocket protocol layer itself)
@@ -235,7 +235,7 @@ def run_schemathesis(base: str, seconds: float | None = None, out: Path | None =
         cmd += ["--max-examples", str(max_examples)]
     if seed is not None:
         cmd += ["--seed", str(seed)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=(seconds or 600) + 300, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=(seconds or 600) + 300, cwd=REPO_ROOT)
     text = r.stdout + r.stderr
     if out is not None:
         out.write_text(text)
@@ -247,7 +247,7 @@ def run_schemathesis(base: str, seconds: float | None = None, out: Path | None =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.fuzz", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m server.tools.fuzz", description=__doc__.split("\n")[0])
     p.add_argument("--uploads", type=int, default=1000, help="fuzzed REST uploads")
     p.add_argument("--sessions", type=int, default=200, help="fuzzed websocket sessions")
     p.add_argument("--schemathesis-seconds", type=float, default=0, help="time for schemathesis (0: skip)")
@@ -259,9 +259,8 @@ def main(argv=None) -> int:
     proc = None
     base = args.url
     if base is None:
-        from .loadtest import model_path
-
         from .launch import start
+        from .loadtest import model_path
 
         proc = start(model_path(args.model), device="cpu", **LIMITS)
         base = proc.base

@@ -1,0 +1,123 @@
+"""The step graph's I/O specification (see `enhancer.model.step`): the names, order and shapes of
+its inputs, outputs and per-stream caches, the decoder of its outputs (`StepOutputs`) and the one
+writer of its key/value rings (`write_rings`).
+
+Shared by the torch side (the step module, export, the parity check) and the runtime (numpy only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+
+# Version of the step graph's interface (input/output layout); stored in the model's metadata.
+# 2: kv_rows is (B, H, 2N, dh).
+# 3: a dynamic time axis, T frames per call: hops (B, T, hop), out (B, T, hop), competition
+#    (B, T, n_tim, n_s), activity (B, T), kv_rows (B, H, 2N * T, dh) (that is (B, H, 2N, T, dh)
+#    flattened); pos is the first frame's index.
+STEP_FORMAT = "3"
+
+INPUTS = ("hops", "min_gain", "pos")  # then the caches (`cache_specs`)
+NEXT = "_next"  # an updated state cache is output as its input's name + NEXT
+
+
+def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and per-stream shapes (no batch dimension) of the state caches, in graph order."""
+    dims = (cfg.n_freqs,) + tuple(cfg.conv_channels[:-1])
+    specs = [("prev_hop", (cfg.stft.hop,)), ("spec_delay", (cfg.lookahead + 1, 2 * cfg.n_freqs))]
+    specs += [(f"conv{i}", (cfg.kernel_size - 1, c)) for i, c in enumerate(dims)]
+    return specs + [("ola", (cfg.stft.hop,))]
+
+
+def ring_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and per-stream shapes of the key/value rings: k0..kN-1, then v0..vN-1, (H, W, dh) each."""
+    kv = (cfg.n_heads, cfg.attention_window, cfg.head_dim)
+    return [(f"k{j}", kv) for j in range(cfg.n_layers)] + [(f"v{j}", kv) for j in range(cfg.n_layers)]
+
+
+def cache_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """State caches then rings: every per-stream array of the step, in graph input order."""
+    return state_specs(cfg) + ring_specs(cfg)
+
+
+def has_competition(cfg: ModelConfig) -> bool:
+    return cfg.competition and cfg.n_tim_layers > 0
+
+
+def output_names(cfg: ModelConfig) -> list[str]:
+    head = ["out"] + (["competition"] if has_competition(cfg) else []) + ["activity", "kv_rows"]
+    return head + [n + NEXT for n, _ in state_specs(cfg)]
+
+
+def input_names(cfg: ModelConfig) -> list[str]:
+    return list(INPUTS) + [n for n, _ in cache_specs(cfg)]
+
+
+def init_states(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
+    """Zeroed state caches for `batch` streams (a fresh stream), in graph order."""
+    return [np.zeros((batch,) + shape, dtype=np.float32) for _, shape in state_specs(cfg)]
+
+
+def init_rings(cfg: ModelConfig, batch: int = 1) -> np.ndarray:
+    """Zeroed key/value rings for `batch` streams as one array (2N, B, H, W, dh): ring j is
+    `rings[j]` (a contiguous view, graph input order), and one call's new rows are written with one
+    assignment (`write_rings`). np.zeros: pages of lanes never used are never touched."""
+    specs = ring_specs(cfg)
+    return np.zeros((len(specs), batch) + specs[0][1], dtype=np.float32)
+
+
+def init_caches(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
+    """Every cache of `batch` fresh streams, in graph input order (states, then the rings' views)."""
+    return init_states(cfg, batch) + list(init_rings(cfg, batch))
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """One call's outputs, by name (numpy arrays from onnxruntime, or tensors from the torch step)."""
+
+    out: Any  # (B, T, hop) enhanced audio, delayed by the model's delay
+    competition: Any | None  # (B, T, n_tim, n_s); None for models without competition
+    activity: Any  # (B, T) mean gain over 300 Hz..4 kHz
+    kv_rows: Any  # (B, H, 2N * T, dh): the new key/value rows, for `write_rings`
+    states: list  # the updated state caches, in `state_specs` order
+
+    @classmethod
+    def decode(cls, cfg: ModelConfig, values: Sequence, names: Sequence[str] | None = None) -> "StepOutputs":
+        """The outputs of a call, given in the order of `names` (default: `output_names(cfg)`, the
+        order of the graph and of the torch step's tuple), picked out by name."""
+        names = output_names(cfg) if names is None else list(names)
+        if len(names) != len(values):
+            raise ValueError(f"{len(values)} step outputs for {len(names)} names")
+        named = dict(zip(names, values))
+        return cls(out=named["out"], competition=named.get("competition"), activity=named["activity"],
+                   kv_rows=named["kv_rows"], states=[named[n + NEXT] for n, _ in state_specs(cfg)])
+
+
+def write_rings(rings, kv_rows, pos, window: int, lanes=None) -> None:
+    """Write the new key/value rows of one call (T frames) into slots (pos + t) % W, in place.
+
+    rings: one array (2N, B, H, W, dh) holding k0..kN-1, v0..vN-1 (`init_rings`), numpy or torch,
+    written with one assignment. kv_rows (k, H, 2N * T, dh) as the graph returns it ((k, H, 2N, T,
+    dh) flattened: the rings' rows in the same order) and pos (k,) (the first frame's index) for the
+    k streams at `lanes` of the rings (default: all B, in order). Of more than W frames only the
+    last W are kept."""
+    k, h, _, dh = kv_rows.shape
+    kv_rows = kv_rows.reshape(k, h, rings.shape[0], -1, dh)  # (k, H, 2N, T, dh)
+    t = kv_rows.shape[3]
+    if t > window:
+        kv_rows, pos, t = kv_rows[:, :, :, t - window:], pos + (t - window), window
+    if isinstance(pos, np.ndarray):
+        offsets = np.arange(t)
+        lanes = np.arange(pos.shape[0]) if lanes is None else np.asarray(lanes)
+        rows = kv_rows.transpose(0, 3, 2, 1, 4)  # (k, T, 2N, H, dh)
+    else:
+        import torch
+
+        offsets = torch.arange(t)
+        lanes = torch.arange(pos.shape[0]) if lanes is None else torch.as_tensor(lanes)
+        rows = kv_rows.permute(0, 3, 2, 1, 4)
+    slots = (pos[:, None] + offsets[None, :]) % window  # (k, T)
+    rings[:, lanes[:, None], :, slots] = rows  # indexed as (k, T, 2N, H, dh)

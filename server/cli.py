@@ -1,0 +1,43 @@
+"""`enhancer serve`: the service's sub-command of the `enhancer` command line.
+
+The core package does not know the service: it finds this command through the entry point group
+`enhancer.commands` (pyproject.toml), whose entries each add one sub-command to the parser.
+"""
+from __future__ import annotations
+
+import argparse
+
+from enhancer.devices import DEVICES
+
+
+def add_serve(sub) -> argparse.ArgumentParser:
+    """Add `serve` to the `enhancer` command's sub-parsers (`sub`)."""
+    s = sub.add_parser("serve", help="run the REST + websocket service")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=None)
+    s.add_argument("--device", choices=DEVICES, default="auto")
+    s.add_argument("--workers", type=int, default=1, help="inference workers (one onnxruntime session each)")
+    s.add_argument("--max-streams", type=int, default=64, help="upper bound of live streams (the measured capacity "
+                   "admits at most this many)")
+    s.add_argument("--capacity", type=int, default=None, help="admit this many live streams instead of measuring "
+                   "the capacity at start-up")
+    s.add_argument("--capacity-margin", type=float, default=None, help="share of the 16 ms hop the step's p99 must "
+                   "leave free when measuring the capacity (default 0.4)")
+    s.add_argument("--api-key", default=None, help="require this key (default: $TIM_ENHANCER_API_KEY if set)")
+    s.set_defaults(fn=cmd_serve)
+    return s
+
+
+def cmd_serve(a) -> int:
+    from enhancer.errors import EnhancerError
+
+    from . import run
+
+    try:
+        run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
+            api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin)
+    except ModuleNotFoundError as e:  # installed without the [serve] extra
+        raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "
+                            f"'tim-enhancer[cpu,serve]' ({e})") from None
+    return 0

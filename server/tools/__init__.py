@@ -1,0 +1,17 @@
+"""Test and benchmark tooling for the service, run from a source checkout (not installed with the
+package, not in the image):
+
+    python -m server.tools.loadtest   real-time clients against a server: lateness, latency, capacity
+    python -m server.tools.soak       a long load run with RSS / descriptor sampling and connect cycles
+    python -m server.tools.fuzz       hypothesis uploads and websocket sessions, schemathesis on the API
+    python -m server.tools.audit      known vulnerabilities of the serving dependency closure
+
+Helpers: `launch` (a server process on a free loopback port), `rawws` (a websocket client that can
+send what no library would), `fuzz_cases` (the fuzzing strategies), `machine_stalls` (whether
+the whole machine stalled). See server/README.md.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the source checkout these tools run from

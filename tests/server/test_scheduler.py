@@ -1,0 +1,103 @@
+"""The scheduler's parts on their own: typed commands applied by a worker (on the worker, the
+count of live lanes it holds), the event loop's ledger of reserved lanes, and the GIL switch
+interval restored when the last scheduler stops."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from server.commands import Close, End, Open, Push
+from server.metrics import Metrics
+from server.scheduler import SWITCH_INTERVAL_S, Scheduler, SwitchInterval
+from server.settings import Settings
+from server.worker import Worker
+from tests.conftest import speechlike
+
+
+class Loop:
+    """Where a worker hands deliveries to (an event loop's call_soon_threadsafe): kept in a list."""
+
+    def __init__(self, posted: list):
+        self.posted = posted
+
+    def call_soon_threadsafe(self, fn, batch) -> None:
+        self.posted.extend(batch)
+
+
+def _job(i: int, source: str = "stream", channels: int = 1, posted: list | None = None):
+    """A job as the worker sees it; its deliveries go to `posted`."""
+    loop = Loop(posted if posted is not None else [])
+    return SimpleNamespace(id=i, source=source, channels=channels, sample_rate=16000, metadata=False, sent=0,
+                           loop=loop)
+
+
+def test_worker_applies_typed_commands_and_counts_its_live_lanes(enhancer_rt):
+    w = Worker(0, enhancer_rt, 8, Metrics())
+    live, stereo, rest = _job(1), _job(2, channels=2), _job(3, "rest", 2)
+    for job in (live, stereo, rest):
+        w._apply_one(Open(job, None))
+    assert set(w.streams) == {1, 2, 3} and w.live_lanes == 3  # files do not count
+    assert w.pool.n_free == 8 - 5
+    w._apply_one(Push(live, speechlike(1000), 12.5, 1))
+    st = w.streams[1]
+    assert st.se.ready_hops() == 1000 // 256 and st.acked == 1 and st.first_arrival == 12.5
+    w._apply_one(End(live, 1))
+    assert st.flushing and st.acked == 1
+    w._apply_one(Close(stereo))
+    assert set(w.streams) == {1, 3} and w.live_lanes == 1 and w.pool.n_free == 8 - 3
+    w._apply_one(Close(stereo))  # closed already: nothing happens
+    w._apply_one(Close(live))
+    w._apply_one(Close(rest))
+    assert not w.streams and w.live_lanes == 0 and w.pool.n_free == 8
+
+
+def test_a_stream_that_fails_leaves_the_live_count(enhancer_rt):
+    w, posted = Worker(0, enhancer_rt, 4, Metrics()), []
+    job = _job(1, posted=posted)
+    w._apply_one(Open(job, None))
+    w._apply_one(Push(job, np.full(300, np.nan, np.float32), 0.0, 1))  # invalid audio: the stream fails
+    assert not w.streams and w.live_lanes == 0 and w.pool.n_free == 4
+    (failed, delivery), = posted
+    assert failed is job and delivery.final and delivery.error.kind == "invalid_audio"
+
+
+def test_switch_interval_is_lowered_while_schedulers_run_and_restored_after_the_last():
+    before = sys.getswitchinterval()
+    SwitchInterval.lower()
+    SwitchInterval.lower()  # a second scheduler in the same process
+    assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
+    SwitchInterval.restore()
+    assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))  # one still runs
+    SwitchInterval.restore()
+    assert sys.getswitchinterval() == pytest.approx(before)
+    SwitchInterval.restore()  # more restores than lowers: no change
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_scheduler_reserves_lanes_on_the_loop_and_restores_the_switch_interval(model_path):
+    before = sys.getswitchinterval()
+    s = Scheduler(Settings.build(model=model_path, device="cpu", workers=2, capacity=4, max_streams=4,
+                                 max_rest_jobs=1, max_channels=2), Metrics())
+    s.start()
+    try:
+        assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
+        assert [ledger.capacity for ledger in s.lanes] == [2, 2]
+
+        async def admit():
+            jobs = [s.open(16000, 1), s.open(16000, 2), s.open(16000, 1, source="rest")]
+            placed = [(job.worker.index, job.lanes.live, job.lanes.free) for job in jobs]
+            for job in jobs:
+                job.close()
+            return placed
+
+        placed = asyncio.run(admit())
+        assert placed[0][0] != placed[1][0]  # the least loaded worker takes the next stream
+        total = s.lanes[0].lanes
+        assert all(ledger.free == total and ledger.live == 0 for ledger in s.lanes)
+    finally:
+        s.stop()
+    assert sys.getswitchinterval() == pytest.approx(before)

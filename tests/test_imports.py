@@ -1,0 +1,147 @@
+"""The import graph of the product, built from the source with `ast` (no module is imported):
+the core (`enhancer`) never imports the service (`server`) or the training code (`training`), and
+no module of the three packages imports itself again through others (no import cycle).
+
+Every import statement counts, also one inside a function (a lazy import closes a cycle just the
+same when the function runs)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("enhancer", "server", "training")
+CORE, ABOVE_CORE = "enhancer", ("server", "training")
+
+
+def modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> source file, for every .py file of `packages` under `root`."""
+    found = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that module `name` (at `path`) imports, anywhere in its body."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module
+            # `from pkg import sub` imports the module pkg.sub when there is one, else a name of pkg
+            targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # `import a.b.c` of a name inside a module: its module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def import_graph(root: Path = ROOT, packages=PACKAGES) -> dict[str, set[str]]:
+    mods = modules(root, packages)
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module of the core, what it imports of the packages above it)."""
+    return sorted((m, t) for m, targets in graph.items() if m.split(".")[0] == CORE
+                  for t in targets if t.split(".")[0] in ABOVE_CORE)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_core_imports_neither_the_service_nor_training():
+    graph = import_graph()
+    assert len(graph) > 60 and "enhancer.runtime" in graph and "server.scheduler" in graph
+    assert upward_imports(graph) == []
+
+
+def test_no_import_cycle_among_the_product_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
+    """The checks on a small tree that breaks both rules (so a violation in the product would fail)."""
+    def write(rel: str, text: str = "") -> None:
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+    write("enhancer/__init__.py", "from .config import X\n")
+    write("enhancer/config.py", "X = 1\n")
+    write("enhancer/cli.py", "def serve():\n    import server.app\n")  # lazy, still an upward import
+    write("enhancer/model/__init__.py", "from ..config import X\nfrom . import step\n")
+    write("enhancer/model/step.py", "from .. import config\n")
+    write("server/__init__.py")
+    write("server/app.py", "from enhancer.config import X\n")
+    write("training/__init__.py")
+    write("training/cli.py", "from .evaluate import cmd_eval\n")
+    write("training/evaluate.py", "def cmd_eval():\n    from .cli import main\n")
+    write("training/plots.py", "from training import evaluate\n")
+    graph = import_graph(tmp_path)
+    assert graph["enhancer.model.step"] == {"enhancer.config"}  # `from .. import config`: the module
+    assert graph["enhancer.model"] == {"enhancer.config", "enhancer.model.step"}
+    assert graph["training.plots"] == {"training.evaluate"}
+    assert upward_imports(graph) == [("enhancer.cli", "server.app")]
+    assert cycles(graph) == [["training.cli", "training.evaluate"]]
+
+
+@pytest.mark.parametrize("harness", ["server.tools", "training.peers"])
+def test_the_harness_is_a_package_of_its_own(harness):
+    """Test and benchmark tools live in their sub-packages (not installed), and the product
+    modules do not depend on them; only the commands that run them do."""
+    graph = import_graph()
+    assert harness in graph
+    users = sorted(m for m, targets in graph.items() if not m.startswith(harness)
+                   and any(t == harness or t.startswith(harness + ".") for t in targets))
+    assert users == (["training.cli"] if harness == "training.peers" else [])
