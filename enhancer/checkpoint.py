@@ -6,6 +6,7 @@ Writes are atomic (temporary file, then rename).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import tempfile
@@ -86,7 +87,7 @@ def load_checkpoint(path, config: ModelConfig | None = None):
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: invalid config in checkpoint: {e}") from None
     if config is not None and config != stored:
-        diff = [k for k, v in config.to_dict().items() if stored.to_dict().get(k) != v]
+        diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(config, f.name) != getattr(stored, f.name)]
         raise CheckpointError(f"{path}: checkpoint config differs from the requested one in: {', '.join(diff)}")
     model = build_model(stored)
     state = blob["state_dict"]

@@ -149,7 +149,8 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["conv_channels"] = list(self.conv_channels)
-        return d
+        # stored under its old name: checkpoints and exported models keep the format older runtimes read
+        return {STORED_AS.get(k, k): v for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -176,6 +177,7 @@ class ModelConfig:
 # Fields stored under another name before: old name -> field. `window` was the attention window in
 # frames (not `STFTConfig.window`, the analysis window's name).
 RENAMED = {"window": "attention_window"}
+STORED_AS = {new: old for old, new in RENAMED.items()}  # `to_dict` writes the stored names
 
 
 def _renamed(d: dict[str, Any]) -> dict[str, Any]:

@@ -154,13 +154,16 @@ def test_checkpoint_with_mismatching_config(tmp_path, torch_model):
         enhancer.load_checkpoint(tmp_path / "bad.pt")
 
 
-def test_config_stored_before_the_rename_of_window_still_loads(tmp_path, torch_model):
-    """`attention_window` was stored as `window`: checkpoints, exported models, run folders and
-    --config files written then still load (the shipped model's metadata is one, test_golden)."""
+def test_config_is_stored_under_the_name_older_runtimes_read(tmp_path, torch_model):
+    """The field `attention_window` is stored as `window`, as before it was renamed, so checkpoints,
+    exported models and run folders keep their format (the shipped model's metadata is one,
+    test_golden); --config files may use either name, not both."""
     cfg = torch_model.config
     old = cfg.to_dict()
-    old["window"] = old.pop("attention_window")
+    assert "attention_window" not in old and old["window"] == cfg.attention_window
     assert ModelConfig.from_dict(old) == cfg
+    renamed = {("attention_window" if k == "window" else k): v for k, v in old.items()}
+    assert ModelConfig.from_dict(renamed) == cfg
     assert ModelConfig.preset("tim", window=16) == ModelConfig.preset("tim", attention_window=16)
     with pytest.raises(ValueError, match="not both"):
         ModelConfig.from_dict(old | {"attention_window": 16})
