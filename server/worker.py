@@ -9,8 +9,10 @@ Every pool and stream-state operation of a worker happens on its thread, and so 
 the live lanes it holds (`live_lanes`), which decides how much room files get beside them.
 Files run up to `FILE_FRAMES` hops per call (`LanePool.run`: every weight read once per chunk),
 or `FILE_FRAMES_BESIDE_LIVE` while live streams share the worker, so that a file never holds a
-live hop back for long. A live stream whose oldest hop waits longer than `max_lateness_ms` skips
-its backlog (zeros, reported to the client as a gap) instead of falling further behind.
+live hop back for long. A live stream that falls behind the lateness budget runs its backlog
+up to `BACKLOG_FRAMES` hops per call instead of one hop per round, and one whose oldest hop waits
+longer than `max_lateness_ms` skips its backlog (zeros, reported to the client as a gap) instead of
+falling further behind.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from .settings import Settings
 
 FILE_FRAMES = OFFLINE_FRAMES  # hops per call of a file's backlog when no live stream shares the worker
 FILE_FRAMES_BESIDE_LIVE = 4  # ... when live streams do: such a call costs about one batched live step
+BACKLOG_FRAMES = 16  # hops per call of a live stream's backlog (it is late: it gets a larger share)
 
 log = logging.getLogger("tim_enhancer.server")
 
@@ -254,19 +257,25 @@ class Worker(threading.Thread):
         its backlog, `_catch_up`), then one multi-frame call (`_run_file`) per flushing stream and
         per file that the live streams leave lanes and time for (`_files`)."""
         now = time.perf_counter()
-        live, flushing, files = [], [], []
+        live, behind, flushing, files = [], [], [], []
         for st in self.streams.values():
             if not st.se.ready_hops():
                 continue
             if st.stepping_live:
                 self._catch_up(st, now)
-                st.due = st.due_time(st.steps, self.hop_s)
-                live.append(st)
+                if st.se.ready_hops() > 1 and now - st.due_time(st.steps, self.hop_s) > self.late_s:
+                    behind.append(st)
+                else:
+                    st.due = st.due_time(st.steps, self.hop_s)
+                    live.append(st)
             elif st.live:
                 flushing.append(st)
             else:
                 files.append(st)
         self._round_live(live)
+        for st in behind:
+            if st.job.id in self.streams:
+                self._run_backlog(st)
         frames = FILE_FRAMES_BESIDE_LIVE if any(st.stepping_live for st in self.streams.values()) else FILE_FRAMES
         for st in flushing + self._files(files, bool(live), time.perf_counter())[0]:
             if st.job.id in self.streams:
@@ -299,6 +308,22 @@ class Worker(threading.Thread):
         self.metrics.frames.labels(source=st.job.source).inc(n)
         if se.ready_hops():
             st.ready_since = time.perf_counter()
+
+    def _run_backlog(self, st: _Stream) -> None:
+        """A live stream later than the lateness budget with several ready hops (it fell behind,
+        but not past `max_lateness_ms`): up to
+        `BACKLOG_FRAMES` of them in one multi-frame call, which costs about what one batched
+        step does, so the stream catches up in a few rounds; each hop's lateness is recorded."""
+        first = st.steps
+        self._run_file(st, BACKLOG_FRAMES)
+        if st.job.id not in self.streams:
+            return
+        done = time.perf_counter()
+        worst = 0.0
+        for hop in range(first, st.steps):
+            st.due = st.due_time(hop, self.hop_s)
+            worst = max(worst, self._lateness(st, done))
+        self._worst_gauge.set(worst)
 
     def _round_live(self, ready: list[_Stream]) -> None:
         """One batched step over the live streams with a ready hop. If the batched call fails, each

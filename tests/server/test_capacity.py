@@ -19,8 +19,10 @@ from websockets.sync.client import connect
 from server import capacity as calibration
 from server.metrics import Metrics
 from server.settings import Settings
+from server.commands import Open, Push
 from server.worker import Worker, _Stream
 from tests.conftest import speechlike
+from tests.tolerance import assert_close_to_peak
 
 from .conftest import TEST_LIMITS, LiveServer
 from .test_ws import astream_through, expect_close, from_bytes, to_bytes
@@ -299,6 +301,83 @@ def test_slow_step_stream_is_told_and_skips_its_backlog_with_the_gap_marked(live
     srv.wait_idle()
     y2, texts2, code2 = asyncio.run(_stream_at_once(srv.ws_url, x[:8000], sr))  # the server keeps serving
     assert code2 == 1000 and y2.shape == (8000, 1) and texts2[-1] == {"type": "end", "samples": 8000}
+
+
+def test_backlog_of_a_late_stream_is_one_multi_frame_call_equal_to_hop_by_hop(enhancer_rt, monkeypatch):
+    """Twelve hops that arrived 0.5 s ago (late beyond the 40 ms budget, within the 5 s skip
+    threshold) run in one call of the lane pool in one round; the same audio on time runs one hop
+    per round; both give the same output, and the late stream is told."""
+    sr, hop = 16000, 256
+    x = speechlike(14 * hop, sr, seed=5)
+
+    def worker_with(arrived):
+        w = Worker(0, enhancer_rt, 4, Metrics(), settings=Settings.build(lateness_budget_ms=40, max_lateness_ms=5000))
+        job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=sr, metadata=False)
+        w._apply(Open(job, None))
+        w._apply(Push(job, x, arrived, 1))
+        return w, w.streams[1]
+
+    late_w, late = worker_with(time.perf_counter() - 0.5)
+    calls = []
+    real_run = late_w.pool.run
+    monkeypatch.setattr(late_w.pool, "run", lambda lanes, hops, g: calls.append(hops.shape) or real_run(lanes, hops, g))
+    ready = late.se.ready_hops()
+    assert ready >= 10
+    late_w._round()
+    assert calls == [(1, ready, hop)] and late.steps == ready and late.se.ready_hops() == 0
+    assert [e["type"] for e in late.events] == ["late"] and late.events[0]["lateness_ms"] >= 400
+
+    now_w, now = worker_with(time.perf_counter() + 100.0)  # due in the future: never late, one hop per round
+    for _ in range(ready):
+        now_w._round()
+    assert now.steps == ready and not now.events
+    assert_close_to_peak(late.se.pull(), now.se.pull())
+
+
+@pytest.fixture
+def live_behind(model_path):
+    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=4, lateness_budget_ms=40.0,
+                                                            max_lateness_ms=60_000.0)))
+    yield srv
+    srv.stop()
+
+
+def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_behind, enhancer_rt, monkeypatch):
+    """Batched one-hop steps take 40 ms (2.5 hops) for 0.6 s, so a real-time stream falls behind
+    the 40 ms budget: it is told "late", its backlog runs several hops per call (`_run_backlog`),
+    nothing is skipped (the skip threshold is far), and the output equals offline enhancement."""
+    srv = live_behind
+    worker = srv.scheduler.workers[0]
+    pool = worker.pool
+    real_step, real_backlog = pool.step, worker._run_backlog
+    slow_until = []  # batched steps are slow for 0.6 s from the first one, then the machine is fast again
+    backlog_hops = []
+
+    def slow_step(*a, **kw):
+        if not slow_until:
+            slow_until.append(time.perf_counter() + 0.6)
+        if time.perf_counter() < slow_until[0]:
+            time.sleep(0.040)
+        return real_step(*a, **kw)
+
+    def backlog(st):
+        before = st.steps
+        real_backlog(st)
+        backlog_hops.append(st.steps - before)
+
+    sr, seconds, chunk = 16000, 3.0, 256
+    x = speechlike(int(seconds * sr), sr, seed=23)[:, None]
+    monkeypatch.setattr(pool, "step", slow_step)
+    monkeypatch.setattr(worker, "_run_backlog", backlog)
+    chunks = [min(chunk, len(x) - i) for i in range(0, len(x), chunk)]
+    y, texts, code = asyncio.run(astream_through(srv.ws_url, x, sr, chunks, 0.0, realtime=True))
+    monkeypatch.undo()
+    assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}
+    kinds = [t["type"] for t in texts]
+    assert "gap" not in kinds, texts
+    assert "late" in kinds, texts
+    assert backlog_hops and max(backlog_hops) > 1, backlog_hops  # several hops in one call
+    assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], sr))
 
 
 async def _stream_at_once(url, x, sr):
