@@ -251,10 +251,20 @@ def test_due_time_ignores_clients_faster_than_real_time():
     assert st.due_time(100, HOP_S) == 20.0
 
 
-@pytest.fixture
-def live_slow(model_path):
+def stream_in_real_time(srv, x, sr: int, chunk: int):
+    """Stream `x` (n, 1) at real-time pace in `chunk`-sample messages: (output, JSON messages);
+    the stream ends normally with every sample."""
+    chunks = [min(chunk, len(x) - i) for i in range(0, len(x), chunk)]
+    y, texts, code = asyncio.run(astream_through(srv.ws_url, x, sr, chunks, 0.0, realtime=True))
+    assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}, texts[-3:]
+    return y, texts
+
+
+@pytest.fixture(params=[120.0], ids=["skip-at-120ms"])
+def live_slow(model_path, request):
+    """A server with a 40 ms lateness budget that skips backlogs older than `request.param` ms."""
     srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=4, lateness_budget_ms=40.0,
-                                                            max_lateness_ms=120.0)))
+                                                            max_lateness_ms=request.param)))
     yield srv
     srv.stop()
 
@@ -284,10 +294,8 @@ def test_slow_step_stream_is_told_and_skips_its_backlog_with_the_gap_marked(live
 
     monkeypatch.setattr(pool, "step", slow_step)
     monkeypatch.setattr(pool, "run", slow_run)
-    chunks = [min(chunk, len(x) - i) for i in range(0, len(x), chunk)]
-    y, texts, code = asyncio.run(astream_through(srv.ws_url, x, sr, chunks, 0.0, realtime=True))
+    y, texts = stream_in_real_time(srv, x, sr, chunk)
     monkeypatch.undo()
-    assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}
     assert y.shape == x.shape  # sample alignment kept through the skips
     late = [t for t in texts if t["type"] == "late"]
     gaps = [t for t in texts if t["type"] == "gap"]
@@ -340,19 +348,12 @@ def test_backlog_of_a_late_stream_is_one_multi_frame_call_equal_to_hop_by_hop(en
     assert_close_to_peak(late.se.pull(), now.se.pull())
 
 
-@pytest.fixture
-def live_behind(model_path):
-    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=4, lateness_budget_ms=40.0,
-                                                            max_lateness_ms=60_000.0)))
-    yield srv
-    srv.stop()
-
-
-def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_behind, enhancer_rt, monkeypatch):
+@pytest.mark.parametrize("live_slow", [60_000.0], ids=["no-skip"], indirect=True)
+def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_slow, enhancer_rt, monkeypatch):
     """Batched one-hop steps take 40 ms (2.5 hops) for 0.6 s, so a real-time stream falls behind
     the 40 ms budget: it is told "late", its backlog runs several hops per call (`_run_backlog`),
     nothing is skipped (the skip threshold is far), and the output equals offline enhancement."""
-    srv = live_behind
+    srv = live_slow
     worker = srv.scheduler.workers[0]
     pool = worker.pool
     real_step, real_backlog = pool.step, worker._run_backlog
@@ -375,10 +376,8 @@ def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_behind, enha
     x = speechlike(int(seconds * sr), sr, seed=23)[:, None]
     monkeypatch.setattr(pool, "step", slow_step)
     monkeypatch.setattr(worker, "_run_backlog", backlog)
-    chunks = [min(chunk, len(x) - i) for i in range(0, len(x), chunk)]
-    y, texts, code = asyncio.run(astream_through(srv.ws_url, x, sr, chunks, 0.0, realtime=True))
+    y, texts = stream_in_real_time(srv, x, sr, chunk)
     monkeypatch.undo()
-    assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}
     kinds = [t["type"] for t in texts]
     assert "gap" not in kinds, texts
     assert "late" in kinds, texts
