@@ -254,8 +254,9 @@ class Worker(threading.Thread):
 
     def _round(self) -> None:
         """One batched step over every live stream with a ready hop (a stream too late first skips
-        its backlog, `_catch_up`), then one multi-frame call (`_run_file`) per flushing stream and
-        per file that the live streams leave lanes and time for (`_files`)."""
+        its backlog, `_catch_up`; one behind the lateness budget with several ready hops runs them
+        in a multi-frame call instead, `_run_backlog`), then one multi-frame call (`_run_file`) per
+        flushing stream and per file that the live streams leave lanes and time for (`_files`)."""
         now = time.perf_counter()
         live, behind, flushing, files = [], [], [], []
         for st in self.streams.values():
@@ -263,11 +264,8 @@ class Worker(threading.Thread):
                 continue
             if st.stepping_live:
                 self._catch_up(st, now)
-                if st.se.ready_hops() > 1 and now - st.due_time(st.steps, self.hop_s) > self.late_s:
-                    behind.append(st)
-                else:
-                    st.due = st.due_time(st.steps, self.hop_s)
-                    live.append(st)
+                st.due = st.due_time(st.steps, self.hop_s)
+                (behind if st.se.ready_hops() > 1 and now - st.due > self.late_s else live).append(st)
             elif st.live:
                 flushing.append(st)
             else:
@@ -311,9 +309,9 @@ class Worker(threading.Thread):
 
     def _run_backlog(self, st: _Stream) -> None:
         """A live stream later than the lateness budget with several ready hops (it fell behind,
-        but not past `max_lateness_ms`): up to
-        `BACKLOG_FRAMES` of them in one multi-frame call, which costs about what one batched
-        step does, so the stream catches up in a few rounds; each hop's lateness is recorded."""
+        but not past `max_lateness_ms`): up to `BACKLOG_FRAMES` of them in one multi-frame call,
+        which costs about what one batched step does, so the stream catches up in a few rounds;
+        each hop's lateness is recorded."""
         first = st.steps
         self._run_file(st, BACKLOG_FRAMES)
         if st.job.id not in self.streams:

@@ -51,17 +51,16 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     cfg = core.config
     noisy_mag = features.stft(noisy, cfg.stft).abs()  # (B, T, F)
     clean_mag = features.stft(clean, cfg.stft).abs()
-    x = torch.log(noisy_mag + cfg.log_eps)
-    y = torch.log(clean_mag + cfg.log_eps)
     with autocast():
-        gains, _ = net(x, pad_end=False)  # (B, T - L, F)
+        gains, _ = net(torch.log(noisy_mag + cfg.log_eps), pad_end=False)  # (B, T - L, F): the model's features
     t = gains.shape[1]
-    gains = gains.float()
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
-    sums = LossSums(weighted_sq_err(*compared(core, x[:, :t], y[:, :t], gains, loss_floor), w), w.sum())
+    est_mag, clean_mag = gains.float() * noisy_mag[:, :t], clean_mag[:, :t]
+    floor = cfg.log_eps if loss_floor is None else loss_floor
+    sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w), w.sum())
     if compressed_power is not None:
-        sums.compressed_err = weighted_sq_err(compressed(gains * noisy_mag[:, :t], compressed_power),
-                                              compressed(clean_mag[:, :t], compressed_power), w)
+        sums.compressed_err = weighted_sq_err(compressed(est_mag, compressed_power),
+                                              compressed(clean_mag, compressed_power), w)
     return sums
 
 
@@ -81,25 +80,6 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
 def compressed(mag: torch.Tensor, power: float) -> torch.Tensor:
     """|X|^power, with a floor far below anything audible so that the gradient stays finite at 0."""
     return mag.clamp_min(1e-6) ** power
-
-
-def compared(core, noisy_logmag, clean_logmag, gains, loss_floor: float | None = None):
-    """The two sides the objective compares, (B, T, F) each: the estimate log(gain * |X| + floor)
-    and the clean log(|S| + floor); with no `loss_floor`, the model's own features (floor log_eps)."""
-    eps = core.config.log_eps
-    if loss_floor is None or loss_floor == eps:
-        return core.estimate_logmag(noisy_logmag, gains), clean_logmag
-    return floored_estimate(noisy_logmag, gains, eps, loss_floor), refloor(clean_logmag, eps, loss_floor)
-
-
-def refloor(logmag: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
-    """log(|X| + eps) -> log(|X| + floor)."""
-    return torch.log((logmag.exp() - eps).clamp_min(0.0) + floor)
-
-
-def floored_estimate(noisy_logmag: torch.Tensor, gains: torch.Tensor, eps: float, floor: float) -> torch.Tensor:
-    """log(gain * |X| + floor) from the noisy log(|X| + eps)."""
-    return torch.log(gains * (noisy_logmag.exp() - eps).clamp_min(0.0) + floor)
 
 
 def weighted_sq_err(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -74,12 +74,6 @@ class TIMNet(nn.Module):
         comp = torch.stack(comps, dim=2)[:, la:] if comps else None  # (B, T', n_tim, n_s)
         return gains, comp
 
-    def estimate_logmag(self, logmag: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
-        """Clean log-magnitude estimate log(gain * |X| + eps) from noisy log(|X| + eps)."""
-        eps = self.config.log_eps
-        mag = (logmag.exp() - eps).clamp_min(0.0)
-        return torch.log(gains * mag + eps)
-
     # ------------------------------------------------------------------ waveform in, waveform out
     @torch.no_grad()
     def enhance(self, wav: torch.Tensor, min_gain: float = 0.0) -> torch.Tensor:
