@@ -9,6 +9,8 @@ torchrun). This module only wires the sub-commands; each lives in its own module
     bench-peers   the model beside peer denoisers                training.peers (a source checkout)
     ablation      the ablation table of several runs             training.ablation
     synth-noise   generated noise and its manifest (quickstart)  training.synth_noise
+    pack          the corpus as compressed shards (GPU machines)  training.shards
+    bench-fit     where a training step's time goes               training.benchfit
 
     enhancer-train fit --preset tim --data ../enhancer-data --out runs/tim
     enhancer-train eval --model runs/tim/checkpoints/best.pt --noisy DIR --clean DIR --out report/
@@ -31,6 +33,8 @@ from .evaluate import add_eval
 from .fit import add_fit
 from .manifests import DataError
 from .plots import add_plot
+from .benchfit import add_bench_fit
+from .shards import add_pack
 from .synth_noise import add_synth_noise
 
 
@@ -65,6 +69,8 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
     add_bench_peers(sub)
     add_ablation(sub)
     add_synth_noise(sub)
+    add_pack(sub)
+    add_bench_fit(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 from enhancer import ModelConfig
@@ -28,6 +29,8 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
     d.add_argument("--speech", help="speech manifest(s): TRAIN[,VALID] (TSV or JSONL)")
     d.add_argument("--noise", help="noise manifest(s): TRAIN[,VALID]")
     d.add_argument("--music", help="music manifest(s): TRAIN[,VALID] (optional)")
+    d.add_argument("--shards", help="a corpus packed by `enhancer-train pack`: its folder, or folders A,B,... "
+                                    "holding its shards (decoded into memory; for machines without the corpus)")
     p.add_argument("--out", type=Path, required=True, help="run folder: checkpoints/, metrics.csv, config.json")
     p.add_argument("--batch-size", type=int, help="examples per step and process (default 16)")
     p.add_argument("--segment-seconds", type=float, help="training segment length (default 2.0)")
@@ -74,6 +77,9 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
     p.add_argument("--dev-files", type=int, default=48, help="evenly spaced dev pairs scored (0: all)")
     p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                    help="autocast precision (auto: fp32 on CPU, bf16/fp16 on CUDA)")
+    p.add_argument("--data-workers", type=int, help="processes making the batches ahead (default: 0 on CPU, "
+                                                    "cores - 2 on CUDA)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (one process; faster on CUDA)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores / processes)")
     p.add_argument("--norm-examples", type=int, default=256, help="examples for the feature statistics")
     p.add_argument("--cache-dir", type=Path, help="16 kHz audio cache (default ~/.cache/tim-enhancer/audio)")
@@ -102,9 +108,12 @@ def model_config(args) -> ModelConfig | None:
 def training_data(args):
     from . import layouts
 
-    given = [n for n in ("data", "dns_root", "speech") if getattr(args, n)]
+    given = [n for n in ("data", "dns_root", "speech", "shards") if getattr(args, n)]
     if len(given) != 1:
-        raise DataError("give exactly one data source: --data ROOT, --dns-root DIR, or --speech and --noise manifests")
+        raise DataError("give exactly one data source: --data ROOT, --dns-root DIR, --shards DIR, "
+                        "or --speech and --noise manifests")
+    if args.shards:
+        return layouts.packed_layout([Path(f) for f in args.shards.split(",") if f], log=_log)
     if args.data:
         return layouts.corpus_layout(args.data)
     if args.dns_root:
@@ -143,7 +152,8 @@ def cmd_fit(args) -> int:
         compressed_weight=args.compressed_weight,
         schedule=args.schedule, warmup_steps=args.warmup_steps, total_steps=args.total_steps, final_lr=args.final_lr,
         dev=args.dev, dev_every=args.dev_every, dev_files=args.dev_files or None,
-        dnsmos_dir=args.dnsmos_dir if args.dev is not None else None,
+        dnsmos_dir=args.dnsmos_dir if args.dev is not None else None, data_workers=args.data_workers,
+        compile=args.compile,
     )
     result = fit(opts, data)
     if not args.quiet and _is_main():
@@ -183,3 +193,8 @@ def parse_mix_settings(pairs: list[str]) -> dict:
 
 def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
+
+
+def _log(msg: str) -> None:
+    if _is_main():
+        print(msg, file=sys.stderr, flush=True)

@@ -36,6 +36,8 @@ class TrainingData:
     description: str = ""
     # whole sources held out of both splits (`training.holdout`): the unseen-source dev set's material
     unseen: dict[str, list[Item]] = field(default_factory=dict)
+    # audio decoded already, {(category, split): AudioSet} (`fit --shards`); empty: decode the items
+    audio: dict = field(default_factory=dict)
 
     def check(self) -> "TrainingData":
         for split, lists in (("train", self.train), ("valid", self.valid)):
@@ -47,6 +49,18 @@ class TrainingData:
 
 
 # --------------------------------------------------------------------------- training sources
+def packed_layout(folders, log=print) -> TrainingData:
+    """A corpus packed by `enhancer-train pack` (`training.shards`), decoded into memory."""
+    from .shards import load
+
+    folders = [Path(f) for f in folders]
+    sets = load(folders, log=log)
+    data = TrainingData(description=f"packed corpus in {', '.join(map(str, folders))}", audio=sets)
+    for (cat, split), audio in sets.items():
+        (data.train if split == "train" else data.valid)[cat] = list(audio.items)
+    return data.check()
+
+
 def corpus_layout(root, hold_out: bool = True) -> TrainingData:
     """`ROOT/manifests/{speech,noise,music}_{train,valid}.tsv` (music optional). With `hold_out`,
     the sources of `training.holdout.UNSEEN_SOURCES` leave both splits for `TrainingData.unseen`."""

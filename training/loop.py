@@ -37,6 +37,7 @@ from .checkpoints import CheckpointDir
 from .data import MixConfig, Synthesizer, validation_set
 from .devscore import DevScore, DevScorer, combine, load_dev_pairs
 from .distributed import Dist
+from .feeder import BatchFeeder
 from .layouts import TrainingData
 from .manifests import describe
 from .objective import batch_loss, feature_stats, loss_sums
@@ -83,6 +84,8 @@ class FitOptions:
     dev_every: int = 500
     dev_files: int | None = 48  # an evenly spaced selection of the dev pairs (None: all)
     dnsmos_dir: Path | None = None  # DNSMOS models for the tie-break (None: PESQ alone)
+    compile: bool = False  # torch.compile the model (one process)
+    data_workers: int | None = None  # processes making batches ahead (training.feeder); None: 0 on CPU, cores - 2 on CUDA
 
 
 def choose_precision(requested: str, device: torch.device) -> str:
@@ -140,6 +143,7 @@ class Trainer:
         self.cache_root: Path | None = None
         self.valid: dict | None = None  # the fixed validation set: noisy, clean, bandwidth_hz arrays
         self.synth: Synthesizer | None = None  # the seeded stream of training examples
+        self.feeder: BatchFeeder | None = None  # worker processes making the batches ahead (--data-workers)
         # model and optimiser (`_build_model`)
         self.core = None  # the TIMNet
         self.net = None  # what the step runs: `core`, or its DistributedDataParallel wrapper
@@ -223,7 +227,10 @@ class Trainer:
         for split, lists in (("train", self.data.train), ("valid", self.data.valid)):
             for cat in ("speech", "noise", "music"):
                 items = lists.get(cat) or []
-                sets[cat, split] = cached_audio(items, f"{cat}_{split}", cache, o.jobs, self.log) if items else None
+                if self.data.audio:  # decoded already (`fit --shards`)
+                    sets[cat, split] = self.data.audio.get((cat, split))
+                else:
+                    sets[cat, split] = cached_audio(items, f"{cat}_{split}", cache, o.jobs, self.log) if items else None
         self.valid = validation_set(sets["speech", "valid"], sets["noise", "valid"], sets["music", "valid"], self.mix,
                                     o.valid_examples, o.valid_seconds, cache, self.log)
         if d.main:
@@ -234,6 +241,13 @@ class Trainer:
             if s is not None:
                 self.log(f"  {cat:6s} {split:5s} {describe(s.items)} cached, {len(s.skipped)} skipped")
         self.log(f"  speech sources (share of examples): {self.synth.speech.shares()}")
+        workers = o.data_workers
+        if workers is None:
+            workers = max(1, (os.cpu_count() or 1) - 2) if d.device.type == "cuda" else 0
+        if workers > 0:  # forked here, before the model touches CUDA
+            self.feeder = BatchFeeder(self.synth, self.batch_size, self.batch_size * d.world,
+                                      self.examples + d.rank * self.batch_size, workers)
+            self.log(f"  {workers} worker process(es) make the batches ahead")
 
     def _build_model(self, resume: ResumePoint | None, init_model) -> None:
         """The model (resumed, fine-tuned from --init, or new with feature statistics of the data),
@@ -259,6 +273,13 @@ class Trainer:
             self.net = DDP(self.core, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                            gradient_as_bucket_view=True)
         self.opt = torch.optim.Adam(self.core.parameters(), lr=o.lr)
+        if o.compile:
+            if d.enabled:
+                raise ValueError("--compile runs in one process (not under torchrun)")
+            self.net = torch.compile(self.core)
+        if d.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
 
     def _restore_progress(self, resume: ResumePoint | None) -> None:
@@ -395,9 +416,12 @@ class Trainer:
     def train_step(self) -> tuple[float, float]:
         o, d = self.opts, self.dist
         first = self.examples + d.rank * self.batch_size
-        noisy, clean, bw = self.synth.batch(range(first, first + self.batch_size))
+        if self.feeder is not None:
+            noisy, clean, bw = self.feeder.next(first)
+        else:
+            noisy, clean, bw = self.synth.batch(range(first, first + self.batch_size))
         dev = d.device
-        noisy, clean, bw = (torch.from_numpy(a).to(dev) for a in (noisy, clean, bw))
+        noisy, clean, bw = (torch.from_numpy(a).to(dev, non_blocking=True) for a in (noisy, clean, bw))
         self.opt.zero_grad(set_to_none=True)
         if o.schedule == "cosine":
             self._apply_lr()
@@ -535,6 +559,8 @@ class Trainer:
         finally:
             progress.close()
             self._restore_signals(handlers)
+            if self.feeder is not None:
+                self.feeder.close()
         if self.saved_step != self.step:
             self.save()
         self.log(f"stopped at step {self.step}: {self.stop_reason}; checkpoints in {self.ckpt.dir}")
