@@ -97,7 +97,7 @@ def cmd_bench_fit(args) -> int:
     result = {"device": name, "precision": precision, "compiled": args.compile, "model": rows}
     if args.shards:
         from .data import AUGMENT_RECIPE, MixConfig, Synthesizer
-        from .layouts import packed_layout
+        from .shards import packed_layout
 
         data = packed_layout([Path(f) for f in args.shards.split(",") if f], log=lambda *_: None)
         a = data.audio

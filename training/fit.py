@@ -113,7 +113,9 @@ def training_data(args):
         raise DataError("give exactly one data source: --data ROOT, --dns-root DIR, --shards DIR, "
                         "or --speech and --noise manifests")
     if args.shards:
-        return layouts.packed_layout([Path(f) for f in args.shards.split(",") if f], log=_log)
+        from .shards import packed_layout
+
+        return packed_layout([Path(f) for f in args.shards.split(",") if f], log=_log)
     if args.data:
         return layouts.corpus_layout(args.data)
     if args.dns_root:

@@ -49,18 +49,6 @@ class TrainingData:
 
 
 # --------------------------------------------------------------------------- training sources
-def packed_layout(folders, log=print) -> TrainingData:
-    """A corpus packed by `enhancer-train pack` (`training.shards`), decoded into memory."""
-    from .shards import load
-
-    folders = [Path(f) for f in folders]
-    sets = load(folders, log=log)
-    data = TrainingData(description=f"packed corpus in {', '.join(map(str, folders))}", audio=sets)
-    for (cat, split), audio in sets.items():
-        (data.train if split == "train" else data.valid)[cat] = list(audio.items)
-    return data.check()
-
-
 def corpus_layout(root, hold_out: bool = True) -> TrainingData:
     """`ROOT/manifests/{speech,noise,music}_{train,valid}.tsv` (music optional). With `hold_out`,
     the sources of `training.holdout.UNSEEN_SOURCES` leave both splits for `TrainingData.unseen`."""

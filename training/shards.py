@@ -189,6 +189,18 @@ def load(folders, verify: bool = True, threads: int | None = None, log=print) ->
     return sets
 
 
+def packed_layout(folders, log=print):
+    """A corpus packed by `pack`, decoded into memory, as the `TrainingData` of `fit --shards`."""
+    from .layouts import TrainingData
+
+    folders = [Path(f) for f in folders]
+    sets = load(folders, log=log)
+    data = TrainingData(description=f"packed corpus in {', '.join(map(str, folders))}", audio=sets)
+    for (cat, split), audio in sets.items():
+        (data.train if split == "train" else data.valid)[cat] = list(audio.items)
+    return data.check()
+
+
 def add_pack(sub) -> None:
     p = sub.add_parser("pack", help="a compact copy of the decoded corpus (compressed shards) for another machine")
     p.add_argument("--data", type=Path, required=True, help="corpus root (as for fit --data)")

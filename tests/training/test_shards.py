@@ -157,3 +157,19 @@ def test_fit_refuses_two_sources(corpus, tiny_config, cache_dir, tmp_path, capsy
     args = fit_args(corpus, tiny_config, cache_dir, tmp_path / "x", 1) + ["--shards", str(tmp_path)]
     assert main(args) == 2
     assert "exactly one data source" in capsys.readouterr().err
+
+
+def test_bench_fit_times_the_model_and_the_mixing(corpus, tiny_config, cache_dir, tmp_path, capsys):
+    packed = tmp_path / "packed"
+    assert main(["pack", "--data", str(corpus), "--out", str(packed), "--codec", "flac",
+                 "--cache-dir", str(cache_dir), "--jobs", "1"]) == 0
+    out = tmp_path / "bench.json"
+    assert main(["bench-fit", "--batch", "1,2", "--steps", "1", "--segment-seconds", "0.5", "--threads", "1",
+                 "--precision", "fp32", "--shards", str(packed), "--augment", "--mixing-batches", "1",
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [r["batch"] for r in got["model"]] == [1, 2]
+    for r in got["model"]:  # audio-s/s is the batch's audio over the measured step
+        assert r["step_ms"] > 0 and abs(r["model_audio_s_per_s"] * r["step_ms"] / 1e3 - r["batch"] * 0.5) < 1e-6 * r["batch"]
+    assert got["mixing_audio_s_per_s_per_core"] > 0
+    assert "mixing (augment)" in capsys.readouterr().out
