@@ -7,11 +7,12 @@ output, both against the clean fixture; the tolerances already in golden.json ar
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
+
+from training.shards import sha256
 
 UPDATE_COMMAND = "python -m tests.golden_update"
 GOLDEN_DIR = Path(__file__).resolve().parent / "fixtures" / "golden"
@@ -25,14 +26,6 @@ def shipped_model() -> Path:
     from enhancer.runtime import DEFAULT_MODEL, MODELS_DIR
 
     return MODELS_DIR / DEFAULT_MODEL
-
-
-def sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_pair() -> tuple[np.ndarray, np.ndarray]:
