@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -40,23 +39,20 @@ def cmd_bench_fit(args) -> int:
 
     from enhancer import build_model, load_checkpoint
 
-    from .loop import choose_precision
+    from .loop import allow_tf32, autocast_for, choose_precision
     from .objective import batch_loss
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    allow_tf32(dev)
     precision = choose_precision(args.precision, dev)
     model = (load_checkpoint(args.init) if args.init else build_model("tim")).to(dev).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     net = torch.compile(model) if args.compile else model
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     def autocast():
-        return torch.autocast(dev.type, dtype=dtype) if dtype is not None else nullcontext()
+        return autocast_for(dev, precision)
 
     n = int(round(args.segment_seconds * 16000))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

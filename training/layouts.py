@@ -39,6 +39,21 @@ class TrainingData:
     # audio decoded already, {(category, split): AudioSet} (`fit --shards`); empty: decode the items
     audio: dict = field(default_factory=dict)
 
+    def decoded(self, cache_root=None, jobs: int | None = None, log=print) -> dict:
+        """{(category, split): AudioSet or None} for the train and valid splits: the audio given
+        already (`fit --shards`), else each list decoded into the 16 kHz cache (built once)."""
+        from .audio_cache import cached_audio
+
+        sets = {}
+        for split, lists in (("train", self.train), ("valid", self.valid)):
+            for cat in ("speech", "noise", "music"):
+                items = lists.get(cat) or []
+                if self.audio:
+                    sets[cat, split] = self.audio.get((cat, split))
+                else:
+                    sets[cat, split] = cached_audio(items, f"{cat}_{split}", cache_root, jobs, log) if items else None
+        return sets
+
     def check(self) -> "TrainingData":
         for split, lists in (("train", self.train), ("valid", self.valid)):
             for cat in ("speech", "noise"):

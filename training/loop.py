@@ -32,7 +32,7 @@ from enhancer.checkpoint import read_checkpoint
 from enhancer.errors import CheckpointError
 from enhancer.model import count_parameters
 
-from .audio_cache import cached_audio, default_cache_root
+from .audio_cache import default_cache_root
 from .checkpoints import CheckpointDir
 from .data import MixConfig, Synthesizer, validation_set
 from .devscore import DevScore, DevScorer, combine, load_dev_pairs
@@ -98,6 +98,20 @@ def choose_precision(requested: str, device: torch.device) -> str:
     if requested == "fp16" and device.type != "cuda":
         raise ValueError("fp16 autocast needs CUDA; use bf16 or fp32 on CPU")
     return requested
+
+
+def autocast_for(device: torch.device, precision: str):
+    """The autocast context of a precision chosen by `choose_precision` (fp32: none)."""
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def allow_tf32(device: torch.device) -> None:
+    """On CUDA, let the fp32 matrix products that autocast leaves use the tensor cores (tf32)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def cosine_lr(step: int, peak: float, warmup: int, total: int, final: float) -> float:
@@ -221,16 +235,9 @@ class Trainer:
         o, d = self.opts, self.dist
         cache = Path(o.cache_dir) if o.cache_dir else default_cache_root()
         self.cache_root = cache
-        sets = {}
         if not d.main:
             d.barrier()
-        for split, lists in (("train", self.data.train), ("valid", self.data.valid)):
-            for cat in ("speech", "noise", "music"):
-                items = lists.get(cat) or []
-                if self.data.audio:  # decoded already (`fit --shards`)
-                    sets[cat, split] = self.data.audio.get((cat, split))
-                else:
-                    sets[cat, split] = cached_audio(items, f"{cat}_{split}", cache, o.jobs, self.log) if items else None
+        sets = self.data.decoded(cache, o.jobs, self.log)
         self.valid = validation_set(sets["speech", "valid"], sets["noise", "valid"], sets["music", "valid"], self.mix,
                                     o.valid_examples, o.valid_seconds, cache, self.log)
         if d.main:
@@ -277,9 +284,7 @@ class Trainer:
             if d.enabled:
                 raise ValueError("--compile runs in one process (not under torchrun)")
             self.net = torch.compile(self.core)
-        if d.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        allow_tf32(d.device)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
 
     def _restore_progress(self, resume: ResumePoint | None) -> None:
@@ -408,10 +413,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def autocast(self):
-        if self.precision == "fp32":
-            return nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.dist.device.type, dtype=dtype)
+        return autocast_for(self.dist.device, self.precision)
 
     def train_step(self) -> tuple[float, float]:
         o, d = self.opts, self.dist

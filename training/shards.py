@@ -31,7 +31,6 @@ from .manifests import DataError, Item
 
 FORMAT = "tim-enhancer-shards/1"
 CODECS = {"opus": ("OGG", "OPUS", ".opus"), "flac": ("FLAC", "PCM_16", ".flac")}
-CATEGORIES = ("speech", "noise", "music")
 SPLITS = ("train", "valid")
 
 
@@ -73,6 +72,7 @@ def pack_set(audio: AudioSet, name: str, out: Path, codec: str = "opus", quality
             current, size = [], 0
     if current:
         groups.append(current)
+
     def write(k: int) -> tuple[dict, float, float]:
         x = np.concatenate([np.asarray(audio.clip(i), np.float32) for i in groups[k]])
         peak = float(np.abs(x).max()) if x.size else 0.0
@@ -217,7 +217,6 @@ def add_pack(sub) -> None:
 
 
 def cmd_pack(args) -> int:
-    from .audio_cache import cached_audio
     from .layouts import corpus_layout
 
     hours = {}
@@ -226,12 +225,7 @@ def cmd_pack(args) -> int:
         if not sep:
             raise ValueError(f"--max-hours {kv!r}: expected SET=HOURS")
         hours[k.strip()] = float(v)
-    data = corpus_layout(args.data).check()
-    sets = {}
-    for split, lists in (("train", data.train), ("valid", data.valid)):
-        for cat in CATEGORIES:
-            items = lists.get(cat) or []
-            sets[cat, split] = cached_audio(items, f"{cat}_{split}", args.cache_dir, args.jobs) if items else None
+    sets = corpus_layout(args.data).check().decoded(args.cache_dir, args.jobs)
     index = pack(sets, args.out, args.codec, args.quality, args.shard_mb, hours, args.seed)
     total = sum(s["bytes"] for e in index["sets"].values() for s in e["shards"])
     print(f"{args.out}: {total / 1e6:.1f} MB in {sum(len(e['shards']) for e in index['sets'].values())} shard(s)")
