@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import scipy.fft
 from scipy.signal import fftconvolve
 
 from enhancer.config import SAMPLE_RATE
@@ -36,10 +37,15 @@ BANDLIMITS_HZ = (3400.0, 4000.0, 5500.0, 7000.0)
 
 
 # --------------------------------------------------------------------------- filters
+EQ_GRID = 513  # the EQ curve is drawn on this many points and interpolated to the rfft bins
+
+
 def smooth_eq_gain(rng: np.random.Generator, n_bins: int, max_db: float) -> np.ndarray:
     """(n_bins,) linear gains for the bins of an rfft: a tilt plus up to three cosine bumps over
-    log-frequency, within +-max_db; 0 dB at DC."""
-    f = np.linspace(0.0, SAMPLE_RATE / 2, n_bins)
+    log-frequency, within +-max_db; 0 dB at DC. The curve is smooth (at most 3 periods over the
+    band), so it is evaluated on `EQ_GRID` points and interpolated linearly."""
+    grid = min(n_bins, EQ_GRID)
+    f = np.linspace(0.0, SAMPLE_RATE / 2, grid)
     u = np.log2(np.maximum(f, 50.0) / 50.0) / math.log2(SAMPLE_RATE / 2 / 50.0)  # 0 at <= 50 Hz, 1 at Nyquist
     db = rng.uniform(-1.0, 1.0) * u  # tilt
     for _ in range(int(rng.integers(1, 4))):
@@ -47,12 +53,24 @@ def smooth_eq_gain(rng: np.random.Generator, n_bins: int, max_db: float) -> np.n
     peak = np.abs(db).max()
     if peak > 0:
         db *= max_db * rng.uniform(0.3, 1.0) / peak
-    return (10.0 ** (db / 20.0)).astype(np.float64)
+    gain = 10.0 ** (db / 20.0)
+    if grid < n_bins:
+        gain = np.interp(np.linspace(0.0, SAMPLE_RATE / 2, n_bins), f, gain)
+    return gain.astype(np.float32)
+
+
+def rfft(x: np.ndarray) -> np.ndarray:
+    """Single-precision rfft (scipy keeps float32 in float32; numpy computes in float64)."""
+    return scipy.fft.rfft(np.asarray(x, np.float32))
+
+
+def irfft(spec: np.ndarray, n: int) -> np.ndarray:
+    return scipy.fft.irfft(spec, n=n).astype(np.float32, copy=False)
 
 
 def equalize(x: np.ndarray, gains: np.ndarray) -> np.ndarray:
-    spec = np.fft.rfft(np.asarray(x, np.float64))
-    return np.fft.irfft(spec * gains[: len(spec)], n=len(x)).astype(np.float32)
+    spec = rfft(x)
+    return irfft(spec * gains[: len(spec)], len(x))
 
 
 def random_eq(rng: np.random.Generator, x: np.ndarray, max_db: float) -> np.ndarray:
@@ -62,13 +80,13 @@ def random_eq(rng: np.random.Generator, x: np.ndarray, max_db: float) -> np.ndar
 def lowpass(x: np.ndarray, cutoff_hz: float, transition_hz: float = 300.0) -> np.ndarray:
     """Zero-phase low-pass with a raised-cosine transition ending at `cutoff_hz`."""
     n = len(x)
-    spec = np.fft.rfft(np.asarray(x, np.float64))
+    spec = rfft(x)
     f = np.fft.rfftfreq(n, 1.0 / SAMPLE_RATE)
     lo = cutoff_hz - transition_hz
     w = np.clip((cutoff_hz - f) / transition_hz, 0.0, 1.0)
     w = 0.5 - 0.5 * np.cos(math.pi * w)
     w[f <= lo] = 1.0
-    return np.fft.irfft(spec * w, n=n).astype(np.float32)
+    return irfft(spec * w.astype(np.float32), n)
 
 
 # --------------------------------------------------------------------------- reverb
@@ -92,10 +110,10 @@ def reverberate(rng: np.random.Generator, x: np.ndarray, rt60: tuple[float, floa
     direct path plus the first `early_ms` of reflections."""
     h = room_impulse_response(rng, float(rng.uniform(*rt60)), float(rng.uniform(*drr_db)))
     early = int(early_ms * 1e-3 * SAMPLE_RATE)
-    x = np.asarray(x, np.float64)
+    x, h = np.asarray(x, np.float32), h.astype(np.float32)
     wet = fftconvolve(x, h)[: len(x)]
     target = fftconvolve(x, h[:early])[: len(x)]
-    return wet.astype(np.float32), target.astype(np.float32)
+    return wet.astype(np.float32, copy=False), target.astype(np.float32, copy=False)
 
 
 # --------------------------------------------------------------------------- speed

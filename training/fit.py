@@ -59,6 +59,12 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
     p.add_argument("--compressed-weight", type=float, default=0.0,
                    help="add this weight times the MSE of |magnitude|^0.3 (estimate against clean) to the "
                         "log-magnitude loss (default 0: the log-magnitude loss alone)")
+    p.add_argument("--sisdr-weight", type=float, default=0.0,
+                   help="add this weight times the mean -SI-SDR (dB) of the waveform resynthesised from the gains "
+                        "and the noisy phase (default 0: off; training.objective)")
+    p.add_argument("--mrstft-weight", type=float, default=0.0,
+                   help="add this weight times the multi-resolution STFT loss of the resynthesised waveform "
+                        "(default 0: off)")
     p.add_argument("--augment", action="store_true",
                    help="switch on the augmentation recipe (reverb, EQ, speed, band-limiting, clipping, procedural "
                         "and layered noise, more music and babble; training.data.AUGMENT_RECIPE)")
@@ -151,7 +157,7 @@ def cmd_fit(args) -> int:
         checkpoint_minutes=args.checkpoint_minutes, keep_last=args.keep_last, log_every=args.log_every,
         seed=args.seed, precision=args.precision, threads=args.threads, norm_examples=args.norm_examples,
         cache_dir=args.cache_dir, jobs=args.jobs, quiet=args.quiet, loss_floor=args.loss_floor,
-        compressed_weight=args.compressed_weight,
+        compressed_weight=args.compressed_weight, sisdr_weight=args.sisdr_weight, mrstft_weight=args.mrstft_weight,
         schedule=args.schedule, warmup_steps=args.warmup_steps, total_steps=args.total_steps, final_lr=args.final_lr,
         dev=args.dev, dev_every=args.dev_every, dev_files=args.dev_files or None,
         dnsmos_dir=args.dnsmos_dir if args.dev is not None else None, data_workers=args.data_workers,

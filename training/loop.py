@@ -76,6 +76,8 @@ class FitOptions:
     quiet: bool = False
     loss_floor: float | None = None  # None: the model's log_eps (see training.objective)
     compressed_weight: float = 0.0  # weight of the compressed-magnitude term (training.objective.batch_loss)
+    sisdr_weight: float = 0.0  # weight of the -SI-SDR (dB) of the resynthesised waveform
+    mrstft_weight: float = 0.0  # weight of the multi-resolution STFT loss of the resynthesised waveform
     schedule: str = "plateau"  # plateau: halve after `patience` bad validations; cosine: warm-up, then cosine decay
     warmup_steps: int = 0
     total_steps: int | None = None  # cosine: the step at which the lr reaches final_lr (default: max_steps)
@@ -427,7 +429,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         if o.schedule == "cosine":
             self._apply_lr()
-        loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor, o.compressed_weight)
+        loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor, o.compressed_weight,
+                          sisdr_weight=o.sisdr_weight, mrstft_weight=o.mrstft_weight)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.opt)

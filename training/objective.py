@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from enhancer.config import STFTConfig
+
 from enhancer import ModelConfig
 from enhancer.model import features
 
 from .data import Synthesizer
 
 COMPRESSED_POWER = 0.3  # the power-law compression of the auxiliary magnitude loss
+MRSTFT_RESOLUTIONS = ((256, 64), (512, 128), (1024, 256))  # (n_fft, hop) of the multi-resolution STFT loss
 
 
 def band_weight(bandwidth_hz: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -33,24 +36,34 @@ class LossSums:
     log_err: torch.Tensor  # sum of w * (log-magnitude estimate - clean)^2
     weight: torch.Tensor  # sum of w: the bins compared (band mask)
     compressed_err: torch.Tensor | None = None  # sum of w * (|estimate|^p - |clean|^p)^2, when asked for
+    neg_sisdr: torch.Tensor | None = None  # sum over examples of -SI-SDR (dB) of the resynthesised waveform
+    mrstft: torch.Tensor | None = None  # sum over examples of the multi-resolution STFT loss
+    examples: int = 0
 
-    def loss(self, compressed_weight: float = 0.0) -> torch.Tensor:
+    def loss(self, compressed_weight: float = 0.0, sisdr_weight: float = 0.0, mrstft_weight: float = 0.0) -> torch.Tensor:
         """The weighted MSE of the log-magnitude, plus `compressed_weight` times that of the
-        compressed magnitudes."""
+        compressed magnitudes, `sisdr_weight` times the mean -SI-SDR (dB) and `mrstft_weight` times
+        the mean multi-resolution STFT loss of the resynthesised waveform."""
         w = self.weight.clamp_min(1.0)
         loss = self.log_err / w
         if compressed_weight > 0.0:
             loss = loss + compressed_weight * (self.compressed_err / w)
+        if sisdr_weight > 0.0:
+            loss = loss + sisdr_weight * (self.neg_sisdr / max(self.examples, 1))
+        if mrstft_weight > 0.0:
+            loss = loss + mrstft_weight * (self.mrstft / max(self.examples, 1))
         return loss
 
 
 def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
-              loss_floor: float | None = None, compressed_power: float | None = None) -> LossSums:
+              loss_floor: float | None = None, compressed_power: float | None = None,
+              waveform: tuple[bool, bool] = (False, False)) -> LossSums:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
-    compressed term only with a `compressed_power`. `net` may be a DDP wrapper of `core`."""
+    compressed term only with a `compressed_power`, the waveform terms (SI-SDR, multi-resolution
+    STFT) only where `waveform` asks for them. `net` may be a DDP wrapper of `core`."""
     cfg = core.config
-    noisy_mag = features.stft(noisy, cfg.stft).abs()  # (B, T, F)
-    clean_mag = features.stft(clean, cfg.stft).abs()
+    noisy_spec, clean_spec = features.stft(noisy, cfg.stft), features.stft(clean, cfg.stft)  # (B, T, F)
+    noisy_mag, clean_mag = noisy_spec.abs(), clean_spec.abs()
     with autocast():
         gains, _ = net(torch.log(noisy_mag + cfg.log_eps), pad_end=False)  # (B, T - L, F): the model's features
     t = gains.shape[1]
@@ -61,20 +74,58 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     if compressed_power is not None:
         sums.compressed_err = weighted_sq_err(compressed(est_mag, compressed_power),
                                               compressed(clean_mag, compressed_power), w)
+    if any(waveform):
+        est, ref = resynthesise(gains.float() * noisy_spec[:, :t], clean_spec[:, :t], w, cfg.stft)
+        sums.examples = est.shape[0]
+        if waveform[0]:
+            sums.neg_sisdr = -si_sdr(est, ref).sum()
+        if waveform[1]:
+            sums.mrstft = mrstft_loss(est, ref).sum()
     return sums
+
+
+def resynthesise(est_spec: torch.Tensor, clean_spec: torch.Tensor, w: torch.Tensor, cfg: STFTConfig):
+    """The model's estimate and the clean speech as waveforms, both through the band mask `w`
+    (B, T, F), over the samples that every one of the T frames covers twice: -> (B, (T-1) * hop) x 2.
+    The overlap-add is differentiable, so the waveform terms reach the gains."""
+    n = (est_spec.shape[1] - 1) * cfg.hop
+    return features.istft(est_spec * w, n, cfg), features.istft(clean_spec * w, n, cfg)
+
+
+def si_sdr(est: torch.Tensor, ref: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(B, N) x 2 -> (B,) scale-invariant SDR in dB (Le Roux et al. 2019)."""
+    alpha = (est * ref).sum(-1, keepdim=True) / ((ref * ref).sum(-1, keepdim=True) + eps)
+    target = alpha * ref
+    return 10.0 * torch.log10(((target ** 2).sum(-1) + eps) / (((est - target) ** 2).sum(-1) + eps))
+
+
+def mrstft_loss(est: torch.Tensor, ref: torch.Tensor, resolutions=MRSTFT_RESOLUTIONS) -> torch.Tensor:
+    """(B, N) x 2 -> (B,) the multi-resolution STFT loss (spectral convergence plus the mean absolute
+    log-magnitude difference, averaged over `resolutions`; Yamamoto et al. 2020), Hann windows."""
+    total = 0.0
+    for n_fft, hop in resolutions:
+        win = torch.hann_window(n_fft, device=est.device)
+        e, r = (torch.stft(x, n_fft, hop, n_fft, win, return_complex=True).abs().clamp_min(1e-7) for x in (est, ref))
+        sc = torch.linalg.vector_norm(r - e, dim=(-2, -1)) / torch.linalg.vector_norm(r, dim=(-2, -1)).clamp_min(1e-7)
+        total = total + sc + (r.log() - e.log()).abs().mean(dim=(-2, -1))
+    return total / len(resolutions)
 
 
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
                loss_floor: float | None = None, compressed_weight: float = 0.0,
-               compressed_power: float = COMPRESSED_POWER) -> torch.Tensor:
+               compressed_power: float = COMPRESSED_POWER, sisdr_weight: float = 0.0,
+               mrstft_weight: float = 0.0) -> torch.Tensor:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
 
     The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
     magnitudes (|gain * X|^p against |S|^p, p = `compressed_power`), which weighs the loud bins that
-    carry speech more than the log domain does."""
+    carry speech more than the log domain does; plus, on the waveform resynthesised from the gains and
+    the noisy phase (the runtime's overlap-add), `sisdr_weight` times the mean -SI-SDR in dB and
+    `mrstft_weight` times the multi-resolution STFT loss: terms that see what the noisy phase does to
+    the output, which the magnitude terms cannot."""
     sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, loss_floor,
-                     compressed_power if compressed_weight > 0.0 else None)
-    return sums.loss(compressed_weight)
+                     compressed_power if compressed_weight > 0.0 else None, (sisdr_weight > 0.0, mrstft_weight > 0.0))
+    return sums.loss(compressed_weight, sisdr_weight, mrstft_weight)
 
 
 def compressed(mag: torch.Tensor, power: float) -> torch.Tensor:

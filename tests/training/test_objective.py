@@ -1,5 +1,6 @@
 """The training objective: the log-magnitude MSE and the power-law-compressed magnitude term,
-checked against a numpy reference built from the model's gains."""
+checked against a numpy reference built from the model's gains; the waveform terms (SI-SDR and the
+multi-resolution STFT loss of the resynthesis) against their definitions."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -8,8 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from enhancer import ModelConfig
+from enhancer.config import STFTConfig
 from enhancer.model import features
-from training.objective import COMPRESSED_POWER, batch_loss
+from training.objective import (COMPRESSED_POWER, band_weight, batch_loss, loss_sums, mrstft_loss, resynthesise,
+                                si_sdr)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,56 @@ def test_compressed_term_has_finite_gradients_at_silent_bins(tiny_model, batch):
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads)
+    finally:
+        model.zero_grad()
+        model.eval()
+
+
+# --------------------------------------------------------------------------- waveform terms
+def test_si_sdr_matches_its_definition():
+    g = torch.Generator().manual_seed(5)
+    ref = torch.randn(3, 4000, generator=g, dtype=torch.float64)
+    noise = torch.randn(3, 4000, generator=g, dtype=torch.float64)
+    noise = noise - (noise * ref).sum(-1, keepdim=True) / (ref * ref).sum(-1, keepdim=True) * ref  # orthogonal to ref
+    scale = torch.tensor([[0.5], [2.0], [7.0]], dtype=torch.float64)
+    for snr in (-5.0, 0.0, 20.0):
+        gain = (ref.pow(2).sum(-1) / noise.pow(2).sum(-1) / 10 ** (snr / 10)).sqrt()[:, None]
+        got = si_sdr(scale * (ref + gain * noise), ref)  # the scale of the estimate does not matter
+        assert torch.allclose(got, torch.full((3,), snr, dtype=torch.float64), rtol=1e-6, atol=1e-6 * 20)
+
+
+def test_resynthesis_of_unit_gains_on_clean_input_is_the_clean_waveform(batch):
+    _, clean, bw = batch
+    cfg = STFTConfig()
+    spec = features.stft(clean, cfg)
+    w = band_weight(torch.tensor([8000.0, 8000.0]), ModelConfig()).expand(-1, spec.shape[1], -1)
+    est, ref = resynthesise(spec, spec, w, cfg)
+    n = (spec.shape[1] - 1) * cfg.hop
+    assert est.shape == (2, n)
+    padded = torch.nn.functional.pad(clean, (0, max(0, n - clean.shape[1])))[:, :n]  # the STFT pads the end
+    err = float((ref - padded).pow(2).sum() / padded.pow(2).sum())
+    assert err < 1e-10  # perfect reconstruction of the runtime's framing
+    assert float(mrstft_loss(est, ref).abs().max()) < 1e-4 * float(mrstft_loss(0.5 * est, ref).min())
+
+
+def test_waveform_terms_add_their_weighted_means_and_reach_the_model(tiny_model, batch):
+    noisy, clean, bw = batch
+    with torch.no_grad():
+        plain = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2))
+        sums = loss_sums(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, None, (True, True))
+        both = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2,
+                                sisdr_weight=0.01, mrstft_weight=0.2))
+    assert sums.examples == 2 and sums.neg_sisdr is not None and sums.mrstft is not None
+    expected = 0.01 * float(sums.neg_sisdr) / 2 + 0.2 * float(sums.mrstft) / 2
+    assert both - plain == pytest.approx(expected, rel=1e-4)
+    model = tiny_model.train()
+    try:
+        for kw in ({"sisdr_weight": 1.0}, {"mrstft_weight": 1.0}):
+            model.zero_grad()
+            batch_loss(model, model, noisy, clean, bw, nullcontext, 1e-2, **kw).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            assert grads and all(torch.isfinite(g).all() for g in grads)
+            assert sum(float(g.abs().sum()) for g in grads) > 0
     finally:
         model.zero_grad()
         model.eval()
