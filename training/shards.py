@@ -108,10 +108,15 @@ def pack_set(audio: AudioSet, name: str, out: Path, codec: str = "opus", quality
 
 
 def pack(sets: dict[tuple[str, str], AudioSet], out, codec: str = "opus", quality: float = 0.9,
-         shard_mb: float = 30.0, max_hours: dict[str, float] | None = None, seed: int = 0, log=print) -> dict:
-    """Pack every set {(category, split): AudioSet} into `out` (a new or empty folder)."""
-    if codec not in CODECS:
-        raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
+         shard_mb: float = 30.0, max_hours: dict[str, float] | None = None, seed: int = 0, log=print,
+         codec_for: dict[str, str] | None = None) -> dict:
+    """Pack every set {(category, split): AudioSet} into `out` (a new or empty folder). `codec_for`
+    overrides the codec of a set or category, e.g. {"speech": "flac"}: lossless clean speech (the
+    training target) beside Opus noise and music."""
+    codec_for = dict(codec_for or {})
+    for c in (codec, *codec_for.values()):
+        if c not in CODECS:
+            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {c!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     index = {"format": FORMAT, "sample_rate": SAMPLE_RATE, "codec": codec, "quality": quality, "sets": {}}
@@ -120,7 +125,9 @@ def pack(sets: dict[tuple[str, str], AudioSet], out, codec: str = "opus", qualit
             continue
         name = f"{cat}_{split}"
         hours = (max_hours or {}).get(name, (max_hours or {}).get(cat))
-        index["sets"][name] = pack_set(audio, name, out, codec, quality, shard_mb, hours, seed, log)
+        set_codec = codec_for.get(name, codec_for.get(cat, codec))
+        index["sets"][name] = pack_set(audio, name, out, set_codec, quality, shard_mb, hours, seed, log)
+        index["sets"][name]["codec"] = set_codec
     with open(out / "index.json", "w", encoding="utf-8") as f:
         json.dump(index, f)
     return index
@@ -206,6 +213,8 @@ def add_pack(sub) -> None:
     p.add_argument("--data", type=Path, required=True, help="corpus root (as for fit --data)")
     p.add_argument("--out", type=Path, required=True, help="folder for the shards and index.json")
     p.add_argument("--codec", choices=tuple(CODECS), default="opus")
+    p.add_argument("--codec-for", action="append", default=[], metavar="SET=CODEC",
+                   help="another codec for a set or category, e.g. speech=flac (lossless training targets)")
     p.add_argument("--quality", type=float, default=0.9, help="opus: libsndfile compression level 0..1 (0.9: ~30 kbit/s)")
     p.add_argument("--shard-mb", type=float, default=30.0, help="target size of one shard")
     p.add_argument("--max-hours", action="append", default=[], metavar="SET=HOURS",
@@ -225,8 +234,14 @@ def cmd_pack(args) -> int:
         if not sep:
             raise ValueError(f"--max-hours {kv!r}: expected SET=HOURS")
         hours[k.strip()] = float(v)
+    codec_for = {}
+    for kv in args.codec_for:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ValueError(f"--codec-for {kv!r}: expected SET=CODEC")
+        codec_for[k.strip()] = v.strip()
     sets = corpus_layout(args.data).check().decoded(args.cache_dir, args.jobs)
-    index = pack(sets, args.out, args.codec, args.quality, args.shard_mb, hours, args.seed)
+    index = pack(sets, args.out, args.codec, args.quality, args.shard_mb, hours, args.seed, codec_for=codec_for)
     total = sum(s["bytes"] for e in index["sets"].values() for s in e["shards"])
     print(f"{args.out}: {total / 1e6:.1f} MB in {sum(len(e['shards']) for e in index['sets'].values())} shard(s)")
     return 0

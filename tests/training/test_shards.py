@@ -173,3 +173,18 @@ def test_bench_fit_times_the_model_and_the_mixing(corpus, tiny_config, cache_dir
         assert r["step_ms"] > 0 and abs(r["model_audio_s_per_s"] * r["step_ms"] / 1e3 - r["batch"] * 0.5) < 1e-6 * r["batch"]
     assert got["mixing_audio_s_per_s_per_core"] > 0
     assert "mixing (augment)" in capsys.readouterr().out
+
+
+def test_codec_for_packs_the_speech_lossless_beside_opus_noise(tmp_path):
+    src = sets()
+    index = pack(src, tmp_path, codec="opus", codec_for={"speech": "flac"}, log=lambda *_: None)
+    assert index["sets"]["speech_train"]["codec"] == "flac" and index["sets"]["noise_train"]["codec"] == "opus"
+    assert sorted(p.suffix for p in tmp_path.glob("speech_*")) == [".flac", ".flac"]
+    assert sorted(p.suffix for p in tmp_path.glob("noise_*")) == [".opus", ".opus"]
+    got = load(tmp_path, log=lambda *_: None)
+    s, g = src["speech", "train"], got["speech", "train"]
+    for i in range(len(s)):  # the clean speech exactly, on the 16-bit grid
+        q = np.round(np.asarray(s.clip(i)) * 32768.0) / 32768.0
+        np.testing.assert_array_equal(g.clip(i), q.astype(np.float32))
+    with pytest.raises(ValueError, match="codec must be one of"):
+        pack(src, tmp_path / "x", codec_for={"speech": "mp3"}, log=lambda *_: None)
