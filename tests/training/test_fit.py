@@ -3,6 +3,7 @@ bad input, and a 2-process torchrun run."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -223,3 +224,19 @@ def test_loss_floor_is_recorded_and_changes_the_objective(corpus, tiny_config, c
     assert main(fit_args(corpus, tiny_config, cache_dir, floored, 2, "--loss-floor", "1e-2")) == 0
     assert json.loads((floored / "train.json").read_text())["options"]["loss_floor"] == 1e-2
     assert float(losses(floored)[1]) < 0.8 * float(losses(plain)[1])
+
+
+def test_waveform_terms_reach_the_trainer_and_change_the_loss(corpus, tiny_config, cache_dir, tmp_path):
+    """`--sisdr-weight` and `--mrstft-weight` are recorded in train.json and change the training loss
+    from the first step (same data, same initial weights: only the objective differs)."""
+    runs = {"plain": (), "sisdr": ("--sisdr-weight", "0.01"), "mrstft": ("--mrstft-weight", "0.2")}
+    first = {}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        assert main(fit_args(corpus, tiny_config, cache_dir, out, 2, *extra)) == 0
+        opts = json.loads((out / "train.json").read_text())["options"]
+        assert opts["sisdr_weight"] == (0.01 if name == "sisdr" else 0.0)
+        assert opts["mrstft_weight"] == (0.2 if name == "mrstft" else 0.0)
+        first[name] = float(losses(out)[1])
+    assert abs(first["sisdr"] - first["plain"]) > 1e-3 * abs(first["plain"])  # 0.01 x the mean -SI-SDR (dB)
+    assert first["mrstft"] > first["plain"] * (1 + 1e-3)  # a positive term added
