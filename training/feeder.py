@@ -61,5 +61,8 @@ class BatchFeeder:
         return tuple(np.concatenate([g[j] for g in got]) for j in range(3))
 
     def close(self) -> None:
-        self.pool.terminate()
+        """Let the workers finish the batches already asked for, then exit. (`Pool.terminate` can
+        deadlock on the task queue's lock when it races a worker that is taking a task.)"""
+        self.queue.clear()
+        self.pool.close()
         self.pool.join()
