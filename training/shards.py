@@ -225,21 +225,22 @@ def add_pack(sub) -> None:
     p.set_defaults(func=cmd_pack)
 
 
+def _assignments(pairs: list[str], flag: str, form: str, value) -> dict:
+    """["speech=flac", ...] -> {"speech": value("flac"), ...}; a pair without "=" is an error."""
+    out = {}
+    for kv in pairs:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} {kv!r}: expected {form}")
+        out[k.strip()] = value(v)
+    return out
+
+
 def cmd_pack(args) -> int:
     from .layouts import corpus_layout
 
-    hours = {}
-    for kv in args.max_hours:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise ValueError(f"--max-hours {kv!r}: expected SET=HOURS")
-        hours[k.strip()] = float(v)
-    codec_for = {}
-    for kv in args.codec_for:
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise ValueError(f"--codec-for {kv!r}: expected SET=CODEC")
-        codec_for[k.strip()] = v.strip()
+    hours = _assignments(args.max_hours, "--max-hours", "SET=HOURS", float)
+    codec_for = _assignments(args.codec_for, "--codec-for", "SET=CODEC", str.strip)
     sets = corpus_layout(args.data).check().decoded(args.cache_dir, args.jobs)
     index = pack(sets, args.out, args.codec, args.quality, args.shard_mb, hours, args.seed, codec_for=codec_for)
     total = sum(s["bytes"] for e in index["sets"].values() for s in e["shards"])
