@@ -3,6 +3,9 @@ sha256), and free of evaluation material and of the sources held out for the uns
 from __future__ import annotations
 
 import csv
+import hashlib
+import re
+from collections import defaultdict
 from pathlib import Path
 
 from training.holdout import UNSEEN_SOURCES
@@ -11,6 +14,13 @@ RECIPE = Path(__file__).resolve().parents[2] / "training" / "corpus" / "extra.ts
 COLUMNS = ["split", "category", "package", "version", "deb_member", "zip_member", "sha256", "seconds", "sample_rate",
            "group", "out_path", "bandwidth_hz", "decoded_sha256"]
 FORBIDDEN_PACKAGES = ("freedroidrpg", "lugaru", "unknown-horizons", "lincity")
+# evaluation material and held-out sources, as they would show in a package name or an out_path
+FORBIDDEN_NAMES = FORBIDDEN_PACKAGES + ("freedroid", "noisex", "asterisk-core-sounds-it", "testset", "test_set",
+                                        "test-set", "/test/")
+# what libsndfile reads as shipped (no MP3, MIDI or tracker modules: .mod/.xm/.it/.s3m)
+LIBSNDFILE_EXTENSIONS = (".ogg", ".opus", ".wav", ".flac")
+VOCAL_WORDS = re.compile(r"vocal|voice|song|sing|lyric|choir|(^|[^a-z])rap([^a-z]|$)", re.IGNORECASE)
+MAX_TRAIN_MINUTES_PER_PACKAGE = 90
 
 
 def rows():
@@ -40,5 +50,40 @@ def test_no_file_twice_and_no_file_in_both_splits():
 def test_no_evaluation_or_held_out_material():
     for r in rows():
         assert not any(p in r["package"] for p in FORBIDDEN_PACKAGES), r["package"]
+        for text in (r["package"], r["deb_member"], r["out_path"]):
+            assert not any(name in text.lower() for name in FORBIDDEN_NAMES), text
         source = r["out_path"].split("/")[1]
         assert source not in UNSEEN_SOURCES.get(r["category"], ()), r["out_path"]
+        assert r["group"] == r["package"] or r["package"] == "pypi:" + r["group"], r["group"]
+
+
+def test_music_is_instrumental_long_and_read_by_libsndfile():
+    music = [r for r in rows() if r["category"] == "music"]
+    assert len(music) > 200
+    for r in music:
+        name = r["out_path"].rsplit("/", 1)[1]
+        assert name.lower().endswith(LIBSNDFILE_EXTENSIONS), r["out_path"]
+        assert Path(r["deb_member"]).suffix == Path(r["out_path"]).suffix, r["out_path"]
+        assert float(r["seconds"]) >= 20, r["out_path"]
+        assert not VOCAL_WORDS.search(name), r["out_path"]
+        assert float(r["bandwidth_hz"]) == int(r["sample_rate"]) / 2, r["out_path"]
+
+
+def test_no_package_dominates_the_music():
+    minutes = defaultdict(float)
+    for r in rows():
+        if r["category"] == "music" and r["split"] == "train":
+            minutes[r["package"]] += float(r["seconds"]) / 60
+    assert len(minutes) >= 20
+    assert max(minutes.values()) <= MAX_TRAIN_MINUTES_PER_PACKAGE, max(minutes.items(), key=lambda kv: kv[1])
+
+
+def test_valid_split_is_the_smallest_md5_tenth_of_each_package():
+    by_package = defaultdict(list)
+    for r in rows():
+        by_package[r["package"]].append(r)
+    for package, rs in by_package.items():
+        n = len(rs)
+        n_valid = 0 if n < 5 else int(n / 10 + 0.5)  # round half up: 5 files -> 1
+        ranked = sorted(rs, key=lambda r: hashlib.md5(r["out_path"].encode()).hexdigest())
+        assert {r["out_path"] for r in rs if r["split"] == "valid"} == {r["out_path"] for r in ranked[:n_valid]}, package

