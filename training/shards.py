@@ -104,7 +104,13 @@ def pack_set(audio: AudioSet, name: str, out: Path, codec: str = "opus", quality
     mb = sum(s["bytes"] for s in shards) / 1e6
     log(f"{name}: {len(clips)} of {len(audio)} clips, {seconds / 3600:.2f} h in {len(shards)} shard(s), {mb:.1f} MB "
         f"({mb * 8e3 / max(seconds, 1e-9):.1f} kbit/s), round-trip SNR {snr:.1f} dB")
-    return {"clips": clips, "shards": shards, "seconds": seconds, "snr_db": snr if math.isfinite(snr) else None}
+    return {"clips": clips, "shards": shards, "seconds": seconds, "snr_db": snr if math.isfinite(snr) else None,
+            "codec": codec}
+
+
+def _for_set(settings: dict, name: str, category: str, default=None):
+    """A per-set setting: the set's own ("speech_train"), else its category's ("speech"), else `default`."""
+    return settings.get(name, settings.get(category, default))
 
 
 def pack(sets: dict[tuple[str, str], AudioSet], out, codec: str = "opus", quality: float = 0.9,
@@ -124,10 +130,9 @@ def pack(sets: dict[tuple[str, str], AudioSet], out, codec: str = "opus", qualit
         if audio is None or not len(audio):
             continue
         name = f"{cat}_{split}"
-        hours = (max_hours or {}).get(name, (max_hours or {}).get(cat))
-        set_codec = codec_for.get(name, codec_for.get(cat, codec))
+        hours = _for_set(max_hours or {}, name, cat)
+        set_codec = _for_set(codec_for, name, cat, codec)
         index["sets"][name] = pack_set(audio, name, out, set_codec, quality, shard_mb, hours, seed, log)
-        index["sets"][name]["codec"] = set_codec
     with open(out / "index.json", "w", encoding="utf-8") as f:
         json.dump(index, f)
     return index
