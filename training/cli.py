@@ -11,6 +11,7 @@ torchrun). This module only wires the sub-commands; each lives in its own module
     synth-noise   generated noise and its manifest (quickstart)  training.synth_noise
     pack          the corpus as compressed shards (GPU machines)  training.shards
     bench-fit     where a training step's time goes               training.benchfit
+    average       the mean of several checkpoints (model soup)    training.average
 
     enhancer-train fit --preset tim --data ../enhancer-data --out runs/tim
     enhancer-train eval --model runs/tim/checkpoints/best.pt --noisy DIR --clean DIR --out report/
@@ -26,6 +27,7 @@ import sys
 from enhancer.errors import EnhancerError
 
 from .ablation import add_ablation
+from .average import add_average
 from .competition import add_competition
 from .defaults import Defaults
 from .devset import add_devset
@@ -71,6 +73,7 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
     add_synth_noise(sub)
     add_pack(sub)
     add_bench_fit(sub)
+    add_average(sub)
     return parser
 
 
