@@ -38,11 +38,14 @@ from .metrics import DNSMOS_KEYS, INTRUSIVE, LABELS
 class ModelRunner:
     """16 kHz mono in, 16 kHz mono out, for an .onnx model or a checkpoint."""
 
-    def __init__(self, path, streaming: bool = False, seed: int = 0, work_dir=None):
+    def __init__(self, path, streaming: bool = False, seed: int = 0, work_dir=None, atten_lim_db: float | None = None):
+        from enhancer.runtime import min_gain_for
+
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"model not found: {path}")
         self.path, self.streaming = path, streaming
+        self.atten_lim_db, self.min_gain = atten_lim_db, min_gain_for(atten_lim_db)  # checked before loading
         self.rng = np.random.default_rng(seed)
         self.torch_model = None
         self.enhancer = None
@@ -71,10 +74,10 @@ class ModelRunner:
             import torch
 
             with torch.no_grad():
-                return self.torch_model.enhance(torch.from_numpy(x)[None])[0].numpy()
+                return self.torch_model.enhance(torch.from_numpy(x)[None], min_gain=self.min_gain)[0].numpy()
         if not self.streaming:
-            return self.enhancer.enhance(x, SAMPLE_RATE)
-        s = self.enhancer.stream(SAMPLE_RATE, 1)
+            return self.enhancer.enhance(x, SAMPLE_RATE, atten_lim_db=self.atten_lim_db)
+        s = self.enhancer.stream(SAMPLE_RATE, 1, atten_lim_db=self.atten_lim_db)
         out, i = [], 0
         while i < len(x):
             n = int(self.rng.integers(1, 4097))  # random chunk sizes, 1 sample .. 256 ms
@@ -120,7 +123,8 @@ def _score_job(args):
 
 # --------------------------------------------------------------------------- driver
 def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=None, jobs: int = 1,
-             write_audio: bool = True, seed: int = 0, log=None, progress: bool = True) -> dict:
+             write_audio: bool = True, seed: int = 0, log=None, progress: bool = True,
+             atten_lim_db: float | None = None) -> dict:
     """Enhance and score every pair; write the reports to `out`; return the summary. Says what it
     scores and shows a progress bar on stderr (`progress=False`: neither)."""
     from tqdm import tqdm
@@ -130,7 +134,7 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
         raise DataError("nothing to evaluate: no file pairs")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runner = ModelRunner(model, streaming, seed, work_dir=out)
+    runner = ModelRunner(model, streaming, seed, work_dir=out, atten_lim_db=atten_lim_db)
     has_clean = all(p.clean is not None for p in pairs)
     if not has_clean and any(p.clean is not None for p in pairs):
         raise DataError("some files have a clean reference and some do not")
@@ -172,7 +176,7 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
         bar.close()
         if pool is not None:
             pool.shutdown()
-    return write_reports(out, pairs, rows, seconds, model, streaming)
+    return write_reports(out, pairs, rows, seconds, model, streaming, atten_lim_db)
 
 
 def _mean(values) -> float | None:
@@ -180,10 +184,11 @@ def _mean(values) -> float | None:
     return float(np.mean(v)) if v else None
 
 
-def write_reports(out: Path, pairs: list[Pair], rows: dict, seconds: dict, model, streaming: bool) -> dict:
+def write_reports(out: Path, pairs: list[Pair], rows: dict, seconds: dict, model, streaming: bool,
+                  atten_lim_db: float | None = None) -> dict:
     keys = [k for k in INTRUSIVE + DNSMOS_KEYS if f"noisy_{k}" in next(iter(rows.values()))]
     names = [p.name for p in pairs]
-    summary = {"files": len(names), "model": str(model), "streaming": streaming,
+    summary = {"files": len(names), "model": str(model), "streaming": streaming, "atten_lim_db": atten_lim_db,
                "seconds": round(sum(seconds.values()), 3)}
     for tag in ("noisy", "enhanced"):
         summary[tag] = {k: _mean(rows[n][f"{tag}_{k}"] for n in names) for k in keys}
@@ -262,6 +267,8 @@ def add_eval(sub, dnsmos_dir: Path | None = None) -> None:
     p.add_argument("--limit", type=int, help="score only the first N pairs")
     p.add_argument("--no-audio", action="store_true", help="do not write the enhanced audio")
     p.add_argument("--seed", type=int, default=0, help="seed of the random chunk sizes of --streaming")
+    p.add_argument("--atten-lim-db", type=float, default=None, metavar="DB",
+                   help="attenuation limit of the enhancer, as the service's atten_lim_db (default: none)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -283,6 +290,7 @@ def cmd_eval(args) -> int:
     dnsmos_dir = None if args.no_dnsmos else (args.dnsmos or args.default_dnsmos)
     if args.dnsmos and not args.dnsmos.is_dir():
         raise DataError(f"--dnsmos: folder not found: {args.dnsmos}")
-    summary = evaluate(args.model, pairs, args.out, args.streaming, dnsmos_dir, args.jobs, not args.no_audio, args.seed)
+    summary = evaluate(args.model, pairs, args.out, args.streaming, dnsmos_dir, args.jobs, not args.no_audio, args.seed,
+                       atten_lim_db=args.atten_lim_db)
     print((Path(args.out) / "summary.md").read_text(), end="")
     return 0 if summary["files"] else 1

@@ -125,6 +125,28 @@ def test_dns_and_voicebank_layouts(tiny_onnx, tmp_path):
     assert s["noisy"]["pesq_wb"] == pytest.approx(4.644, abs=0.01)
 
 
+def test_attenuation_limit_of_0_db_passes_the_input_through(tiny_ckpt, tiny_onnx, tmp_path):
+    """--atten-lim-db is the service's gain floor: at 0 dB no bin may be attenuated, so every path
+    (offline onnx, streaming, checkpoint) gives back the noisy input and scores exactly as it."""
+    noisy, clean = make_pairs(tmp_path / "d", n=1, seconds=1.5, noise=0.05)
+    noisy_x, _ = sf.read(str(noisy / "f0.wav"), dtype="float32")
+    for tag, model, extra in (("onnx", tiny_onnx, []), ("stream", tiny_onnx, ["--streaming"]), ("ckpt", tiny_ckpt, [])):
+        out = tmp_path / tag
+        assert main(["eval", "--model", str(model), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
+                     "--no-dnsmos", "--atten-lim-db", "0", *extra]) == 0
+        y, _ = sf.read(str(out / "enhanced" / "f0.wav"), dtype="float32")
+        assert_close_to_peak(y, noisy_x, err_msg=tag)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["atten_lim_db"] == 0.0
+        assert summary["enhanced"]["pesq_wb"] == pytest.approx(summary["noisy"]["pesq_wb"], rel=1e-3)
+    # without a limit the same model changes the audio (so the check above means something)
+    out = tmp_path / "free"
+    assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(noisy), "--clean", str(clean), "--out", str(out),
+                 "--no-dnsmos"]) == 0
+    assert_differs(sf.read(str(out / "enhanced" / "f0.wav"), dtype="float32")[0], noisy_x)
+    assert json.loads((out / "summary.json").read_text())["atten_lim_db"] is None
+
+
 def test_eval_input_errors(tiny_onnx, tmp_path, capsys):
     assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert "noisy folder not found" in capsys.readouterr().err
@@ -133,6 +155,9 @@ def test_eval_input_errors(tiny_onnx, tmp_path, capsys):
     assert "model not found" in capsys.readouterr().err
     assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(noisy), "--out", str(tmp_path / "o"), "--no-dnsmos"]) == 2
     assert "only DNSMOS can score" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_onnx), "--noisy", str(noisy), "--out", str(tmp_path / "o"), "--no-dnsmos",
+                 "--atten-lim-db", "-3"]) == 2
+    assert "atten_lim_db must be >= 0 dB" in capsys.readouterr().err
 
 
 @needs_dnsmos
