@@ -94,9 +94,10 @@ for pv in "${PKGS[@]}"; do
   ddir="$DEBS/$key"; mkdir -p "$ddir"
   x="$WORK/x-extra_$key"; rm -rf "$x"; mkdir -p "$x"
   members="$WORK/members-extra_$key.lst"
+  awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$MAN" | sort -u > "$members"
   fallback=0
   if [[ "$pkg" == github:* ]]; then
-    # ---- a Git repository at an exact commit: git cat-file the listed members
+    # ---- a Git repository at an exact commit: git archive the listed members
     repo="${pkg#github:}"
     gdir=""
     if [ -n "${GITHUB_MIRRORS:-}" ]; then
@@ -117,7 +118,6 @@ for pv in "${PKGS[@]}"; do
     got="$ver"
     # one `git archive` per batch of members (xargs), not one git process per file; tar -i reads the
     # concatenated archives
-    awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$MAN" | sort -u > "$members"
     ( set -o pipefail
       xargs -d '\n' -a "$members" git --git-dir="$gdir" archive --format=tar "$ver" -- | tar -x -i -C "$x" ) \
       || die "$pkg: git archive of the listed members at $ver failed"
@@ -130,7 +130,6 @@ for pv in "${PKGS[@]}"; do
       whl=$(ls "$ddir"/*.whl | head -n1)
     fi
     got="$ver"
-    awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$MAN" | sort -u > "$members"
     xargs -d '\n' -a "$members" unzip -o -qq "$whl" -d "$x" || die "$pkg: unzip failed"
   else
     # ---- a Debian package: apt-get download the exact version, extract the listed members
@@ -148,7 +147,7 @@ for pv in "${PKGS[@]}"; do
     fi
     got=$(dpkg-deb -f "$deb" Version)
     [ "$got" = "$ver" ] || { fallback=1; warn "$pkg: using version $got instead of $ver"; }
-    awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print "./" $5}' "$MAN" | sort -u > "$members"
+    sed -i 's#^#./#' "$members"  # paths inside the .deb's data tar
     if [ "$fallback" = 1 ]; then
       dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$x" --no-same-owner --verbatim-files-from -T "$members" 2>/dev/null || true
     else
