@@ -51,8 +51,14 @@ class Dist:
 
             dist.barrier()
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Leave the process group. After a normal finish every rank first waits for the others:
+        rank 0 is still writing the last checkpoint when the others return, and a rank that tears
+        its gloo connections down while a peer still uses them aborts ("terminate called without
+        an active exception"). After an error there is no barrier, which could wait forever."""
         if self.enabled:
             import torch.distributed as dist
 
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()

@@ -596,9 +596,12 @@ def _in_main_thread() -> bool:
 
 def fit(opts: FitOptions, data: TrainingData) -> dict:
     dist = Dist()
+    finished = False
     try:
         trainer = Trainer(opts, data, dist)
         trainer.setup()
-        return trainer.run()
+        result = trainer.run()
+        finished = True
+        return result
     finally:
-        dist.close()
+        dist.close(finished)
