@@ -28,7 +28,7 @@
 #              EXTRA_TSV=FILE reads another recipe than extra.tsv (tests).
 # Needs: Debian 12 apt sources, apt-get, dpkg-deb, tar, sha256sum, awk; for the PyPI rows pip and unzip. Only plain members (Ogg Vorbis,
 # Ogg Opus, WAV, FLAC: readable by libsndfile) are supported: rows with a zip_member or decoded_sha256 are refused.
-# Peak disk use about 0.25 GB (one .deb at a time); the added tree is about 530 MB.
+# Peak disk use about 0.25 GB (one .deb at a time); the added tree is about 580 MB of music and noise.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
