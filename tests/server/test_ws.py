@@ -137,8 +137,9 @@ def test_16_concurrent_streams_get_their_own_audio(live, enhancer_rt):
 
     async def one(i):
         x = signals[i]
+        # paced as live microphones: batching across streams is what live audio gets
         y, _, code = await astream_through(live.ws_url, x, sr, random_chunks(len(x), np.random.default_rng(i), 200, 2000),
-                                           0.002)
+                                           0.002, realtime=True)
         assert code == 1000
         return y
 
