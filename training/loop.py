@@ -78,6 +78,7 @@ class FitOptions:
     compressed_weight: float = 0.0  # weight of the compressed-magnitude term (training.objective.batch_loss)
     sisdr_weight: float = 0.0  # weight of the -SI-SDR (dB) of the resynthesised waveform
     mrstft_weight: float = 0.0  # weight of the multi-resolution STFT loss of the resynthesised waveform
+    overestimate_weight: float = 1.0  # magnitude errors where the estimate exceeds the clean, relative (1: symmetric)
     schedule: str = "plateau"  # plateau: halve after `patience` bad validations; cosine: warm-up, then cosine decay
     warmup_steps: int = 0
     total_steps: int | None = None  # cosine: the step at which the lr reaches final_lr (default: max_steps)
@@ -226,6 +227,8 @@ class Trainer:
         self.batch_size = o.batch_size or (state["batch_size"] if state is not None else 16)
         if self.batch_size < 1:
             raise ValueError("batch size must be >= 1")
+        if not o.overestimate_weight > 0.0:
+            raise ValueError(f"--overestimate-weight must be > 0, got {o.overestimate_weight!r}")
         self.seed = state["seed"] if state else o.seed
         self.threads = o.threads or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", d.world))))
         torch.set_num_threads(self.threads)
@@ -430,7 +433,8 @@ class Trainer:
         if o.schedule == "cosine":
             self._apply_lr()
         loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor, o.compressed_weight,
-                          sisdr_weight=o.sisdr_weight, mrstft_weight=o.mrstft_weight)
+                          sisdr_weight=o.sisdr_weight, mrstft_weight=o.mrstft_weight,
+                          overestimate_weight=o.overestimate_weight)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.opt)

@@ -57,10 +57,14 @@ class LossSums:
 
 def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
               loss_floor: float | None = None, compressed_power: float | None = None,
-              waveform: tuple[bool, bool] = (False, False)) -> LossSums:
+              waveform: tuple[bool, bool] = (False, False), overestimate_weight: float = 1.0) -> LossSums:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
     compressed term only with a `compressed_power`, the waveform terms (SI-SDR, multi-resolution
-    STFT) only where `waveform` asks for them. `net` may be a DDP wrapper of `core`."""
+    STFT) only where `waveform` asks for them. `net` may be a DDP wrapper of `core`.
+
+    `overestimate_weight` multiplies the magnitude terms' squared errors in the bins where the estimate
+    exceeds the clean magnitude (noise left in), relative to those where it falls short (speech
+    removed); 1 = symmetric. The weight `LossSums.weight` stays the count of bins compared."""
     cfg = core.config
     noisy_spec, clean_spec = features.stft(noisy, cfg.stft), features.stft(clean, cfg.stft)  # (B, T, F)
     noisy_mag, clean_mag = noisy_spec.abs(), clean_spec.abs()
@@ -70,10 +74,11 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
     est_mag, clean_mag = gains.float() * noisy_mag[:, :t], clean_mag[:, :t]
     floor = cfg.log_eps if loss_floor is None else loss_floor
-    sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w), w.sum())
+    w_err = w if overestimate_weight == 1.0 else w * torch.where(est_mag > clean_mag, overestimate_weight, 1.0)
+    sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w_err), w.sum())
     if compressed_power is not None:
         sums.compressed_err = weighted_sq_err(compressed(est_mag, compressed_power),
-                                              compressed(clean_mag, compressed_power), w)
+                                              compressed(clean_mag, compressed_power), w_err)
     if any(waveform):
         est, ref = resynthesise(gains.float() * noisy_spec[:, :t], clean_spec[:, :t], w, cfg.stft)
         sums.examples = est.shape[0]
@@ -114,7 +119,7 @@ def mrstft_loss(est: torch.Tensor, ref: torch.Tensor, resolutions=MRSTFT_RESOLUT
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
                loss_floor: float | None = None, compressed_weight: float = 0.0,
                compressed_power: float = COMPRESSED_POWER, sisdr_weight: float = 0.0,
-               mrstft_weight: float = 0.0) -> torch.Tensor:
+               mrstft_weight: float = 0.0, overestimate_weight: float = 1.0) -> torch.Tensor:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
 
     The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
@@ -122,9 +127,14 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
     carry speech more than the log domain does; plus, on the waveform resynthesised from the gains and
     the noisy phase (the runtime's overlap-add), `sisdr_weight` times the mean -SI-SDR in dB and
     `mrstft_weight` times the multi-resolution STFT loss: terms that see what the noisy phase does to
-    the output, which the magnitude terms cannot."""
+    the output, which the magnitude terms cannot. `overestimate_weight` (> 1) weighs the magnitude errors
+    of noise left in above those of speech removed (`loss_sums`): PESQ's disturbance model penalises
+    added energy more than missing energy."""
+    if not overestimate_weight > 0.0:
+        raise ValueError(f"overestimate_weight must be > 0, got {overestimate_weight!r}")
     sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, loss_floor,
-                     compressed_power if compressed_weight > 0.0 else None, (sisdr_weight > 0.0, mrstft_weight > 0.0))
+                     compressed_power if compressed_weight > 0.0 else None, (sisdr_weight > 0.0, mrstft_weight > 0.0),
+                     overestimate_weight)
     return sums.loss(compressed_weight, sisdr_weight, mrstft_weight)
 
 

@@ -27,8 +27,9 @@ def batch():
     return noisy, clean, bandwidth
 
 
-def reference_terms(model, noisy, clean, bandwidth, floor):
-    """(log-magnitude MSE, compressed MSE) in float64 numpy from the model's own gains."""
+def reference_terms(model, noisy, clean, bandwidth, floor, over=1.0):
+    """(log-magnitude MSE, compressed MSE) in float64 numpy from the model's own gains; the errors of
+    bins where the estimate exceeds the clean magnitude weighted by `over` (the mean is over bins)."""
     cfg = model.config
     xs = features.stft(noisy, cfg.stft).abs()
     ys = features.stft(clean, cfg.stft).abs()
@@ -41,7 +42,8 @@ def reference_terms(model, noisy, clean, bandwidth, floor):
     est = g * x
     log_err = (np.log(est + floor) - np.log(y + floor)) ** 2
     comp_err = (np.maximum(est, 1e-6) ** COMPRESSED_POWER - np.maximum(y, 1e-6) ** COMPRESSED_POWER) ** 2
-    return (log_err * w).sum() / w.sum(), (comp_err * w).sum() / w.sum()
+    wo = w * np.where(est > y, over, 1.0)
+    return (log_err * wo).sum() / w.sum(), (comp_err * wo).sum() / w.sum()
 
 
 def test_log_and_compressed_terms_match_the_reference(tiny_model, batch):
@@ -53,6 +55,23 @@ def test_log_and_compressed_terms_match_the_reference(tiny_model, batch):
     assert plain == pytest.approx(log_ref, rel=1e-3)
     assert comp_ref > 1e-3 * log_ref  # the term is not negligible on this input
     assert mixed - plain == pytest.approx(5.0 * comp_ref, rel=1e-3)
+
+
+def test_overestimate_weight_scales_the_errors_of_noise_left_in(tiny_model, batch):
+    noisy, clean, bw = batch
+    log_ref, comp_ref = reference_terms(tiny_model, noisy, clean, bw, 1e-2, over=3.0)
+    log_sym, comp_sym = reference_terms(tiny_model, noisy, clean, bw, 1e-2)
+    assert log_ref > 1.05 * log_sym and comp_ref > 1.05 * comp_sym  # the input has bins on both sides
+    with torch.no_grad():
+        got = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, compressed_weight=5.0,
+                               overestimate_weight=3.0))
+        same = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, compressed_weight=5.0,
+                                overestimate_weight=1.0))
+    assert got == pytest.approx(log_ref + 5.0 * comp_ref, rel=1e-3)
+    assert same == pytest.approx(log_sym + 5.0 * comp_sym, rel=1e-3)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="overestimate_weight"):
+            batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, overestimate_weight=bad)
 
 
 def test_compressed_term_has_finite_gradients_at_silent_bins(tiny_model, batch):
