@@ -22,6 +22,9 @@ recipe of the shipped model, `fit --mix KEY=VALUE` any single setting):
   recordings cover thinly.
 * **a second noise** (`p_second_noise`): another noise draw added 0-10 dB below the first, so that
   many examples hold two kinds of noise at once (a café with music, traffic with wind).
+* **noise speed** (`p_speed_noise` of the recorded noise and music draws): the excerpt played a factor
+  in `speed_noise` faster (tempo and pitch together, 0.7-1.4x by default): engines, fans, voices of
+  machines and music at other pitches and rates, more noises from the same recordings.
 """
 from __future__ import annotations
 

@@ -62,6 +62,8 @@ class MixConfig:
     p_clip: float = 0.0
     p_procedural: float = 0.0  # of the noise-clip draws
     p_second_noise: float = 0.0
+    p_speed_noise: float = 0.0  # of the recorded noise and music draws
+    speed_noise: tuple[float, float] = (0.7, 1.4)
 
     @property
     def segment_samples(self) -> int:
@@ -79,11 +81,11 @@ class MixConfig:
         if not 0 <= self.p_clean <= 1 or not 0 <= self.p_music + self.p_babble <= 1:
             raise ValueError("probabilities must lie in [0, 1] (p_music + p_babble <= 1)")
         for name in ("p_reverb", "p_eq_speech", "p_eq_noise", "p_speed", "p_bandlimit", "p_clip", "p_procedural",
-                     "p_second_noise"):
+                     "p_second_noise", "p_speed_noise"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-        if self.speed[0] <= 0 or self.rt60_s[0] <= 0:
-            raise ValueError("speed and rt60_s must be > 0")
+        if self.speed[0] <= 0 or self.speed_noise[0] <= 0 or self.rt60_s[0] <= 0:
+            raise ValueError("speed, speed_noise and rt60_s must be > 0")
         return self
 
     def to_dict(self) -> dict:
@@ -101,7 +103,8 @@ class MixConfig:
         return cls(**d).validate()
 
 
-TUPLE_FIELDS = ("snr_db", "level_db", "gap_seconds", "babble_talkers", "floor_db", "rt60_s", "drr_db", "speed")
+TUPLE_FIELDS = ("snr_db", "level_db", "gap_seconds", "babble_talkers", "floor_db", "rt60_s", "drr_db", "speed",
+                "speed_noise")
 
 # `fit --augment`: the augmentation recipe of the shipped model (see the model card)
 AUGMENT_RECIPE = {
@@ -219,7 +222,7 @@ class Synthesizer:
     def _one_noise(self, rng: np.random.Generator, n: int, exclude_group: int):
         r = rng.random()
         if self.music is not None and r < self.cfg.p_music:
-            return fit_length(self.music.audio.clip(self.music.clip(rng, self.music.group(rng))), n, rng), "music"
+            return self._recorded(rng, self.music, n, "music")
         if r < self.cfg.p_music + self.cfg.p_babble:
             k = int(rng.integers(self.cfg.babble_talkers[0], self.cfg.babble_talkers[1] + 1))
             babble = np.zeros(n, np.float64)
@@ -230,7 +233,18 @@ class Synthesizer:
         if self.cfg.p_procedural > 0 and rng.random() < self.cfg.p_procedural:
             x, kind = augment.procedural_noise(rng, n)
             return x, f"procedural {kind}"
-        return fit_length(self.noise.audio.clip(self.noise.clip(rng, self.noise.group(rng))), n, rng), "noise"
+        return self._recorded(rng, self.noise, n, "noise")
+
+    def _recorded(self, rng: np.random.Generator, pool: Pool, n: int, kind: str):
+        """A length-n excerpt of a recorded clip of `pool`, on `p_speed_noise` of the draws played a
+        factor in `speed_noise` faster (tempo and pitch): more noises from the same recordings."""
+        clip = pool.audio.clip(pool.clip(rng, pool.group(rng)))
+        cfg = self.cfg
+        if not (cfg.p_speed_noise > 0 and rng.random() < cfg.p_speed_noise):
+            return fit_length(clip, n, rng), kind
+        speed = float(rng.uniform(*cfg.speed_noise))
+        x = fit_length(clip, int(math.ceil(n * speed)) + 16, rng)
+        return fit_length(augment.change_speed(x, speed), n, rng), f"{kind} speed {speed:.2f}"
 
     def example(self, index: int) -> Example:
         cfg, n = self.cfg, self.cfg.segment_samples

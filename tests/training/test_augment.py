@@ -120,6 +120,49 @@ def test_default_config_draws_the_same_examples_as_before_augmentations():
     assert base.info["augment"] == []
 
 
+def tone_sets(freq: float):
+    """Speech far below a noise that is one pure tone at `freq` Hz (no music, no babble, no clean draws)."""
+    speech, _, _ = sets()
+    t = np.arange(SR * 3) / SR
+    noise = AudioSet.from_arrays([Item("tone", group="t 0")], [(0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)])
+    cfg = {**MixConfig().to_dict(), "p_music": 0.0, "p_babble": 0.0, "p_clean": 0.0, "snr_db": (-40.0, -40.0)}
+    return speech, noise, cfg
+
+
+def peak_hz(x: np.ndarray) -> float:
+    spec = np.abs(np.fft.rfft(x.astype(np.float64) * np.hanning(len(x))))
+    return float(np.fft.rfftfreq(len(x), 1 / SR)[int(np.argmax(spec))])
+
+
+@pytest.mark.parametrize("speed", [0.7, 1.4])
+def test_noise_speed_moves_the_pitch_of_recorded_noise(speed):
+    speech, noise, cfg = tone_sets(500.0)
+    synth = Synthesizer(speech, noise, None, MixConfig.from_dict({**cfg, "p_speed_noise": 1.0,
+                                                                  "speed_noise": (speed, speed)}), seed=5)
+    for i in range(4):
+        e = synth.example(i)
+        assert e.info["noise"] == f"noise speed {speed:.2f}"
+        assert e.noisy.shape == (synth.cfg.segment_samples,)
+        assert abs(peak_hz(e.noisy) - 500.0 * speed) <= 2.0  # the FFT's bin is 0.5 Hz at 2 s
+    plain = Synthesizer(speech, noise, None, MixConfig.from_dict(cfg), seed=5).example(0)
+    assert plain.info["noise"] == "noise" and abs(peak_hz(plain.noisy) - 500.0) <= 2.0
+
+
+def test_noise_speed_off_draws_the_same_examples():
+    """p_speed_noise 0 consumes no random draws, whatever its range: runs resume unchanged."""
+    speech, noise, music = sets()
+    cfg = {**MixConfig().to_dict(), **AUGMENT_RECIPE}
+    base = Synthesizer(speech, noise, music, MixConfig.from_dict(cfg), seed=4)
+    other = Synthesizer(speech, noise, music, MixConfig.from_dict({**cfg, "speed_noise": (0.5, 2.0)}), seed=4)
+    on = Synthesizer(speech, noise, music, MixConfig.from_dict({**cfg, "p_speed_noise": 1.0}), seed=4)
+    differ = 0
+    for i in range(40):
+        a, b, c = base.example(i), other.example(i), on.example(i)
+        assert np.array_equal(a.noisy, b.noisy) and np.array_equal(a.clean, b.clean)
+        differ += not np.array_equal(a.noisy, c.noisy)
+    assert differ > 0
+
+
 def test_mix_settings_parse_and_refuse():
     assert parse_mix_settings(["p_reverb=0.3", "rt60_s=0.3,0.8", "babble_talkers=2,9"]) == {
         "p_reverb": 0.3, "rt60_s": (0.3, 0.8), "babble_talkers": (2, 9)}
