@@ -240,3 +240,15 @@ def test_waveform_terms_reach_the_trainer_and_change_the_loss(corpus, tiny_confi
         first[name] = float(losses(out)[1])
     assert abs(first["sisdr"] - first["plain"]) > 1e-3 * abs(first["plain"])  # 0.01 x the mean -SI-SDR (dB)
     assert first["mrstft"] > first["plain"] * (1 + 1e-3)  # a positive term added
+
+
+def test_context_note_flags_segments_shorter_than_two_attention_windows():
+    from enhancer import ModelConfig
+    from training.loop import context_note
+
+    cfg = ModelConfig.preset("tim")  # 128-frame window, 256-sample hop
+    note = context_note(cfg, 2 * 16000)  # 125 frames: none sees the whole window
+    assert note is not None and "0 of 125 frames" in note and "4.1 s" in note
+    assert "123 of 250 frames" in context_note(cfg, 4 * 16000)
+    assert context_note(cfg, 256 * 256) is None  # 2 W frames: half of them see it all
+    assert context_note(cfg, 8 * 16000) is None
