@@ -31,6 +31,7 @@ from enhancer import ModelConfig, build_model, load_checkpoint
 from enhancer.checkpoint import read_checkpoint
 from enhancer.errors import CheckpointError
 from enhancer.model import count_parameters
+from enhancer.signal import n_frames_for
 
 from .audio_cache import default_cache_root
 from .checkpoints import CheckpointDir
@@ -121,21 +122,22 @@ def context_note(cfg: ModelConfig, segment_samples: int) -> str | None:
     """A note when training segments are too short for the model's attention window.
 
     At inference every frame after the first W (`attention_window`) attends to W frames; in training
-    a frame sees only the frames of its own segment before it. With 2 s segments (125 frames) no
-    training frame sees the 128 frames it sees at inference: the model card's phase 13 measured 4 s
-    segments (batch 8) at +0.030 PESQ-WB and 8 s (batch 4) at +0.015 over 2 s (batch 16), the same
-    audio per step, on the unseen-source dev set. None when the segments hold at least 1.5 W frames
-    (a third of them or more then see the whole window).
+    a frame sees only the frames of its own segment before it. The loss covers the segment's
+    `n_frames_for` frames less the lookahead, and output frame t attends to steps up to t + lookahead,
+    so max(0, frames - W + 1) of them see a whole window: none with 2 s segments (124 of 124), while
+    the model card's phase 13 measured 4 s segments (batch 8) at +0.030 PESQ-WB and 8 s (batch 4) at
+    +0.015 over 2 s (batch 16), the same audio per step, on the unseen-source dev set. None when at
+    least a third of the frames see the whole window.
     """
-    frames = segment_samples // cfg.stft.hop
-    window = cfg.attention_window
-    if 2 * frames >= 3 * window:
+    frames, window, la = n_frames_for(segment_samples, cfg.stft), cfg.attention_window, cfg.lookahead
+    trained, full = frames - la, max(0, frames - window + 1)
+    if 3 * full >= trained:
         return None
-    full = max(0, frames - window + 1)
-    seconds = 3 * window * cfg.stft.hop / cfg.stft.sample_rate / 2
-    return (f"note: segments of {frames} frames, attention window {window} frames: {full} of {frames} frames "
-            f"per segment see the full window that frames see at inference; segments of {seconds:.1f} s or more "
-            f"(--segment-seconds, with a smaller --batch-size for the same audio per step) train the model on it")
+    shortest = math.ceil((3 * window - 3 - la) / 2)  # fewest frames with 3 * full >= trained
+    seconds = math.ceil(10 * (shortest - 1) * cfg.stft.hop / cfg.stft.sample_rate) / 10
+    return (f"note: {full} of the {trained} frames of a segment see the full {window}-frame attention window that "
+            f"frames see at inference; segments of {seconds:.1f} s or more (--segment-seconds, with a smaller "
+            f"--batch-size for the same audio per step) train the model on it")
 
 
 def cosine_lr(step: int, peak: float, warmup: int, total: int, final: float) -> float:

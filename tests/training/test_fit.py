@@ -242,13 +242,13 @@ def test_waveform_terms_reach_the_trainer_and_change_the_loss(corpus, tiny_confi
     assert first["mrstft"] > first["plain"] * (1 + 1e-3)  # a positive term added
 
 
-def test_context_note_flags_segments_shorter_than_one_and_a_half_attention_windows():
+def test_context_note_flags_segments_where_under_a_third_of_the_frames_see_the_whole_window():
     from enhancer import ModelConfig
     from training.loop import context_note
 
-    cfg = ModelConfig.preset("tim")  # 128-frame window, 256-sample hop
-    note = context_note(cfg, 2 * 16000)  # 125 frames: none sees the whole window
-    assert note is not None and "0 of 125 frames" in note and "3.1 s" in note
-    assert "63 of 190 frames" in context_note(cfg, 190 * 256)
-    assert context_note(cfg, 192 * 256) is None  # 1.5 W frames: a third of them see it all
+    cfg = ModelConfig.preset("tim")  # 128-frame window, 256-sample hop, 2 frames of lookahead
+    note = context_note(cfg, 2 * 16000)  # 126 frames, 124 trained on: none sees the whole window
+    assert note is not None and "0 of the 124 frames" in note and "3.1 s" in note
+    assert "62 of the 187 frames" in context_note(cfg, 188 * 256)  # 189 frames: 3 x 62 < 187
+    assert context_note(cfg, 189 * 256) is None  # 190 frames: 3 x 63 >= 188
     assert context_note(cfg, 4 * 16000) is None
