@@ -27,6 +27,7 @@ def add_bench_fit(sub) -> None:
     p.add_argument("--compressed-weight", type=float, default=20.0)
     p.add_argument("--sisdr-weight", type=float, default=0.0)
     p.add_argument("--mrstft-weight", type=float, default=0.0)
+    p.add_argument("--pesq-weight", type=float, default=0.0)
     p.add_argument("--threads", type=int, help="torch threads (CPU)")
     p.add_argument("--shards", help="also time mixing from this packed corpus (folders A,B,...)")
     p.add_argument("--augment", action="store_true", help="mixing with the augmentation recipe")
@@ -70,7 +71,8 @@ def cmd_bench_fit(args) -> int:
         def step():
             opt.zero_grad(set_to_none=True)
             loss = batch_loss(net, model, noisy, clean, bw, autocast, None, args.compressed_weight,
-                              sisdr_weight=args.sisdr_weight, mrstft_weight=args.mrstft_weight)
+                              sisdr_weight=args.sisdr_weight, mrstft_weight=args.mrstft_weight,
+                              pesq_weight=args.pesq_weight)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()

@@ -79,6 +79,7 @@ class FitOptions:
     compressed_weight: float = 0.0  # weight of the compressed-magnitude term (training.objective.batch_loss)
     sisdr_weight: float = 0.0  # weight of the -SI-SDR (dB) of the resynthesised waveform
     mrstft_weight: float = 0.0  # weight of the multi-resolution STFT loss of the resynthesised waveform
+    pesq_weight: float = 0.0  # weight of the P.862 disturbance of the estimated magnitudes (training.perceptual)
     overestimate_weight: float = 1.0  # magnitude errors where the estimate exceeds the clean, relative (1: symmetric)
     schedule: str = "plateau"  # plateau: halve after `patience` bad validations; cosine: warm-up, then cosine decay
     warmup_steps: int = 0
@@ -255,6 +256,8 @@ class Trainer:
             raise ValueError("batch size must be >= 1")
         if not o.overestimate_weight > 0.0:
             raise ValueError(f"--overestimate-weight must be > 0, got {o.overestimate_weight!r}")
+        if not o.pesq_weight >= 0.0:
+            raise ValueError(f"--pesq-weight must be >= 0, got {o.pesq_weight!r}")
         self.seed = state["seed"] if state else o.seed
         self.threads = o.threads or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", d.world))))
         torch.set_num_threads(self.threads)
@@ -460,7 +463,7 @@ class Trainer:
             self._apply_lr()
         loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor, o.compressed_weight,
                           sisdr_weight=o.sisdr_weight, mrstft_weight=o.mrstft_weight,
-                          overestimate_weight=o.overestimate_weight)
+                          overestimate_weight=o.overestimate_weight, pesq_weight=o.pesq_weight)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.opt)

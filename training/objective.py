@@ -17,6 +17,7 @@ from enhancer import ModelConfig
 from enhancer.model import features
 
 from .data import Synthesizer
+from .perceptual import PesqModel
 
 COMPRESSED_POWER = 0.3  # the power-law compression of the auxiliary magnitude loss
 MRSTFT_RESOLUTIONS = ((256, 64), (512, 128), (1024, 256))  # (n_fft, hop) of the multi-resolution STFT loss
@@ -38,12 +39,15 @@ class LossSums:
     compressed_err: torch.Tensor | None = None  # sum of w * (|estimate|^p - |clean|^p)^2, when asked for
     neg_sisdr: torch.Tensor | None = None  # sum over examples of -SI-SDR (dB) of the resynthesised waveform
     mrstft: torch.Tensor | None = None  # sum over examples of the multi-resolution STFT loss
+    pesq: torch.Tensor | None = None  # sum over examples of the P.862 disturbance (training.perceptual)
     examples: int = 0
 
-    def loss(self, compressed_weight: float = 0.0, sisdr_weight: float = 0.0, mrstft_weight: float = 0.0) -> torch.Tensor:
+    def loss(self, compressed_weight: float = 0.0, sisdr_weight: float = 0.0, mrstft_weight: float = 0.0,
+             pesq_weight: float = 0.0) -> torch.Tensor:
         """The weighted MSE of the log-magnitude, plus `compressed_weight` times that of the
         compressed magnitudes, `sisdr_weight` times the mean -SI-SDR (dB) and `mrstft_weight` times
-        the mean multi-resolution STFT loss of the resynthesised waveform."""
+        the mean multi-resolution STFT loss of the resynthesised waveform, and `pesq_weight` times the
+        mean P.862 disturbance of the estimated magnitudes (4.5 minus PESQ's raw score)."""
         w = self.weight.clamp_min(1.0)
         loss = self.log_err / w
         if compressed_weight > 0.0:
@@ -52,15 +56,19 @@ class LossSums:
             loss = loss + sisdr_weight * (self.neg_sisdr / max(self.examples, 1))
         if mrstft_weight > 0.0:
             loss = loss + mrstft_weight * (self.mrstft / max(self.examples, 1))
+        if pesq_weight > 0.0:
+            loss = loss + pesq_weight * (self.pesq / max(self.examples, 1))
         return loss
 
 
 def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
               loss_floor: float | None = None, compressed_power: float | None = None,
-              waveform: tuple[bool, bool] = (False, False), overestimate_weight: float = 1.0) -> LossSums:
+              waveform: tuple[bool, bool] = (False, False), overestimate_weight: float = 1.0,
+              pesq: bool = False) -> LossSums:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
     compressed term only with a `compressed_power`, the waveform terms (SI-SDR, multi-resolution
-    STFT) only where `waveform` asks for them. `net` may be a DDP wrapper of `core`.
+    STFT) only where `waveform` asks for them, the P.862 disturbance only with `pesq`. `net` may be a
+    DDP wrapper of `core`.
 
     `overestimate_weight` multiplies the magnitude terms' squared errors in the bins where the estimate
     exceeds the clean magnitude (noise left in), relative to those where it falls short (speech
@@ -75,13 +83,15 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     est_mag, clean_mag = gains.float() * noisy_mag[:, :t], clean_mag[:, :t]
     floor = cfg.log_eps if loss_floor is None else loss_floor
     w_err = w if overestimate_weight == 1.0 else w * torch.where(est_mag > clean_mag, overestimate_weight, 1.0)
-    sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w_err), w.sum())
+    sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w_err), w.sum(),
+                    examples=est_mag.shape[0])
     if compressed_power is not None:
         sums.compressed_err = weighted_sq_err(compressed(est_mag, compressed_power),
                                               compressed(clean_mag, compressed_power), w_err)
+    if pesq:
+        sums.pesq = pesq_model(cfg.stft, est_mag.device).loss(est_mag * w, clean_mag * w).sum()
     if any(waveform):
         est, ref = resynthesise(gains.float() * noisy_spec[:, :t], clean_spec[:, :t], w, cfg.stft)
-        sums.examples = est.shape[0]
         if waveform[0]:
             sums.neg_sisdr = -si_sdr(est, ref).sum()
         if waveform[1]:
@@ -119,7 +129,7 @@ def mrstft_loss(est: torch.Tensor, ref: torch.Tensor, resolutions=MRSTFT_RESOLUT
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
                loss_floor: float | None = None, compressed_weight: float = 0.0,
                compressed_power: float = COMPRESSED_POWER, sisdr_weight: float = 0.0,
-               mrstft_weight: float = 0.0, overestimate_weight: float = 1.0) -> torch.Tensor:
+               mrstft_weight: float = 0.0, overestimate_weight: float = 1.0, pesq_weight: float = 0.0) -> torch.Tensor:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
 
     The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
@@ -129,13 +139,28 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
     `mrstft_weight` times the multi-resolution STFT loss: terms that see what the noisy phase does to
     the output, which the magnitude terms cannot. `overestimate_weight` (> 1) weighs the magnitude errors
     of noise left in above those of speech removed (`loss_sums`): PESQ's disturbance model penalises
-    added energy more than missing energy."""
+    added energy more than missing energy. `pesq_weight` adds that times the mean of a differentiable
+    model of wideband PESQ's disturbance (`training.perceptual`), on the estimated magnitudes."""
     if not overestimate_weight > 0.0:
         raise ValueError(f"overestimate_weight must be > 0, got {overestimate_weight!r}")
+    if not pesq_weight >= 0.0:
+        raise ValueError(f"pesq_weight must be >= 0, got {pesq_weight!r}")
     sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, loss_floor,
                      compressed_power if compressed_weight > 0.0 else None, (sisdr_weight > 0.0, mrstft_weight > 0.0),
-                     overestimate_weight)
-    return sums.loss(compressed_weight, sisdr_weight, mrstft_weight)
+                     overestimate_weight, pesq_weight > 0.0)
+    return sums.loss(compressed_weight, sisdr_weight, mrstft_weight, pesq_weight)
+
+
+_PESQ_MODELS: dict = {}
+
+
+def pesq_model(cfg: STFTConfig, device) -> PesqModel:
+    """The P.862 model for the model's STFT (its window's power), built once per device."""
+    key = (cfg.n_fft, cfg.sample_rate, str(device))
+    if key not in _PESQ_MODELS:
+        win = features.window(cfg)
+        _PESQ_MODELS[key] = PesqModel(float((win * win).sum()), cfg.n_fft, cfg.sample_rate).to(device)
+    return _PESQ_MODELS[key]
 
 
 def compressed(mag: torch.Tensor, power: float) -> torch.Tensor:
