@@ -154,12 +154,15 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
 _PESQ_MODELS: dict = {}
 
 
-def pesq_model(cfg: STFTConfig, device) -> PesqModel:
-    """The P.862 model for the model's STFT (its window's power), built once per device."""
-    key = (cfg.n_fft, cfg.sample_rate, str(device))
+def pesq_model(cfg: STFTConfig, device, compensate: bool = False) -> PesqModel:
+    """The P.862 model for the model's STFT (its window's power), built once per device. The
+    training term is the uncompensated one (`PesqModel`: the estimate on the clean speech's level
+    alignment, no frequency-response or gain compensation), which an estimate cannot satisfy by
+    colouring or attenuating the speech."""
+    key = (cfg.n_fft, cfg.sample_rate, str(device), compensate)
     if key not in _PESQ_MODELS:
         win = features.window(cfg)
-        _PESQ_MODELS[key] = PesqModel(float((win * win).sum()), cfg.n_fft, cfg.sample_rate).to(device)
+        _PESQ_MODELS[key] = PesqModel(float((win * win).sum()), cfg.n_fft, cfg.sample_rate, compensate).to(device)
     return _PESQ_MODELS[key]
 
 

@@ -36,7 +36,7 @@ def test_mos_tracks_reference_pesq(pair):
     """Speech plus its own real noise at six levels: within 0.1 MOS of P.862.2 at every level, in
     the same order (the model leaves out only time alignment and the recursive gain smoothing)."""
     clean, noise = pair
-    model = pesq_model(STFTConfig(), "cpu")
+    model = pesq_model(STFTConfig(), "cpu", compensate=True)
     ref, got = [], []
     for g in (3.0, 1.0, 0.5, 0.25, 0.1, 0.03):
         deg = clean + g * noise
@@ -49,19 +49,39 @@ def test_mos_tracks_reference_pesq(pair):
 
 
 def test_identical_signals_and_level(pair):
-    """An estimate equal to the clean speech, at any level, scores P.862.2's ceiling (4.644): the
-    level alignment removes the gain, as in the standard."""
+    """An estimate equal to the clean speech scores P.862.2's ceiling (4.644). With the standard's
+    compensation any level does (each signal is aligned on its own); the training term puts the
+    estimate on the clean speech's alignment, so a level change costs (more the larger it is)."""
     clean, _ = pair
-    model = pesq_model(STFTConfig(), "cpu")
+    model = pesq_model(STFTConfig(), "cpu", compensate=True)
+    strict = pesq_model(STFTConfig(), "cpu")
+    assert strict.loss(mag(clean), mag(clean)).item() < 1e-4
+    costs = []
     for gain in (1.0, 0.25, 4.0):
         assert model.mos(mag(gain * clean), mag(clean)).item() == pytest.approx(4.644, abs=2e-3)
         assert model.loss(mag(gain * clean), mag(clean)).item() < 1e-4
+    for gain in (0.7, 0.25, 0.1):
+        costs.append(strict.loss(mag(gain * clean), mag(clean)).item())
+    assert 0.0 < costs[0] < costs[1] < costs[2], costs
+
+
+def test_training_term_charges_colouring(pair):
+    """Speech attenuated by 7 dB between 1 and 4 kHz, or by 15 dB below 250 Hz: P.862's frequency
+    compensation forgives it (under 0.1 raw-score points), the training term does not (over 0.5)."""
+    clean, _ = pair
+    model = pesq_model(STFTConfig(), "cpu", compensate=True)
+    strict = pesq_model(STFTConfig(), "cpu")
+    bins = torch.arange(257)
+    for factor in (torch.where((bins > 32) & (bins < 128), 0.45, 1.0), torch.where(bins < 8, 0.18, 1.0)):
+        est, ref = mag(clean) * factor, mag(clean)
+        assert model.loss(est, ref).item() < 0.1
+        assert strict.loss(est, ref).item() > 0.5
 
 
 def test_band_removed_costs_quality(pair):
     """Zeroing the bins above 4 kHz of a clean estimate lowers the score (the model sees the band)."""
     clean, _ = pair
-    model = pesq_model(STFTConfig(), "cpu")
+    model = pesq_model(STFTConfig(), "cpu", compensate=True)
     est = mag(clean)
     est[..., 128:] = 0.0
     mos = model.mos(est, mag(clean)).item()
