@@ -69,6 +69,10 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
                    help="add this weight times a differentiable model of wideband PESQ's disturbance "
                         "(ITU-T P.862.2; 4.5 minus the raw score) of the estimated magnitudes "
                         "(default 0: off; training.perceptual)")
+    p.add_argument("--pesq-compensate", action="store_true",
+                   help="compute the --pesq-weight term with P.862's own level, frequency-response and gain "
+                        "compensations, as the standard scores: it forgives colouring and attenuating speech, "
+                        "which a model then learns (ablation only; training/README.md)")
     p.add_argument("--overestimate-weight", type=float, default=1.0,
                    help="weight of the magnitude terms' errors in bins where the estimate exceeds the clean "
                         "magnitude (noise left in) relative to bins where it falls short (speech removed); "
@@ -166,7 +170,8 @@ def cmd_fit(args) -> int:
         seed=args.seed, precision=args.precision, threads=args.threads, norm_examples=args.norm_examples,
         cache_dir=args.cache_dir, jobs=args.jobs, quiet=args.quiet, loss_floor=args.loss_floor,
         compressed_weight=args.compressed_weight, sisdr_weight=args.sisdr_weight, mrstft_weight=args.mrstft_weight,
-        overestimate_weight=args.overestimate_weight, pesq_weight=args.pesq_weight, schedule=args.schedule, warmup_steps=args.warmup_steps,
+        overestimate_weight=args.overestimate_weight, pesq_weight=args.pesq_weight,
+        pesq_compensate=args.pesq_compensate, schedule=args.schedule, warmup_steps=args.warmup_steps,
         total_steps=args.total_steps, final_lr=args.final_lr,
         dev=args.dev, dev_every=args.dev_every, dev_files=args.dev_files or None,
         dnsmos_dir=args.dnsmos_dir if args.dev is not None else None, data_workers=args.data_workers,

@@ -80,6 +80,7 @@ class FitOptions:
     sisdr_weight: float = 0.0  # weight of the -SI-SDR (dB) of the resynthesised waveform
     mrstft_weight: float = 0.0  # weight of the multi-resolution STFT loss of the resynthesised waveform
     pesq_weight: float = 0.0  # weight of the P.862 disturbance of the estimated magnitudes (training.perceptual)
+    pesq_compensate: bool = False  # that term with P.862's level/frequency/gain compensations (ablation only)
     overestimate_weight: float = 1.0  # magnitude errors where the estimate exceeds the clean, relative (1: symmetric)
     schedule: str = "plateau"  # plateau: halve after `patience` bad validations; cosine: warm-up, then cosine decay
     warmup_steps: int = 0
@@ -463,7 +464,8 @@ class Trainer:
             self._apply_lr()
         loss = batch_loss(self.net, self.core, noisy, clean, bw, self.autocast, o.loss_floor, o.compressed_weight,
                           sisdr_weight=o.sisdr_weight, mrstft_weight=o.mrstft_weight,
-                          overestimate_weight=o.overestimate_weight, pesq_weight=o.pesq_weight)
+                          overestimate_weight=o.overestimate_weight, pesq_weight=o.pesq_weight,
+                          pesq_compensate=o.pesq_compensate)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.opt)

@@ -64,7 +64,7 @@ class LossSums:
 def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
               loss_floor: float | None = None, compressed_power: float | None = None,
               waveform: tuple[bool, bool] = (False, False), overestimate_weight: float = 1.0,
-              pesq: bool = False) -> LossSums:
+              pesq: bool = False, pesq_compensate: bool = False) -> LossSums:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
     compressed term only with a `compressed_power`, the waveform terms (SI-SDR, multi-resolution
     STFT) only where `waveform` asks for them, the P.862 disturbance only with `pesq`. `net` may be a
@@ -89,7 +89,7 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
         sums.compressed_err = weighted_sq_err(compressed(est_mag, compressed_power),
                                               compressed(clean_mag, compressed_power), w_err)
     if pesq:
-        sums.pesq = pesq_model(cfg.stft, est_mag.device).loss(est_mag * w, clean_mag * w).sum()
+        sums.pesq = pesq_model(cfg.stft, est_mag.device, pesq_compensate).loss(est_mag * w, clean_mag * w).sum()
     if any(waveform):
         est, ref = resynthesise(gains.float() * noisy_spec[:, :t], clean_spec[:, :t], w, cfg.stft)
         if waveform[0]:
@@ -129,7 +129,8 @@ def mrstft_loss(est: torch.Tensor, ref: torch.Tensor, resolutions=MRSTFT_RESOLUT
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
                loss_floor: float | None = None, compressed_weight: float = 0.0,
                compressed_power: float = COMPRESSED_POWER, sisdr_weight: float = 0.0,
-               mrstft_weight: float = 0.0, overestimate_weight: float = 1.0, pesq_weight: float = 0.0) -> torch.Tensor:
+               mrstft_weight: float = 0.0, overestimate_weight: float = 1.0, pesq_weight: float = 0.0,
+               pesq_compensate: bool = False) -> torch.Tensor:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
 
     The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
@@ -140,14 +141,15 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
     the output, which the magnitude terms cannot. `overestimate_weight` (> 1) weighs the magnitude errors
     of noise left in above those of speech removed (`loss_sums`): PESQ's disturbance model penalises
     added energy more than missing energy. `pesq_weight` adds that times the mean of a differentiable
-    model of wideband PESQ's disturbance (`training.perceptual`), on the estimated magnitudes."""
+    model of wideband PESQ's disturbance (`training.perceptual`), on the estimated magnitudes; with
+    `pesq_compensate` P.862's own level, frequency-response and gain compensations (ablation only)."""
     if not overestimate_weight > 0.0:
         raise ValueError(f"overestimate_weight must be > 0, got {overestimate_weight!r}")
     if not pesq_weight >= 0.0:
         raise ValueError(f"pesq_weight must be >= 0, got {pesq_weight!r}")
     sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, loss_floor,
                      compressed_power if compressed_weight > 0.0 else None, (sisdr_weight > 0.0, mrstft_weight > 0.0),
-                     overestimate_weight, pesq_weight > 0.0)
+                     overestimate_weight, pesq_weight > 0.0, pesq_compensate)
     return sums.loss(compressed_weight, sisdr_weight, mrstft_weight, pesq_weight)
 
 

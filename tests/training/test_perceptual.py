@@ -143,3 +143,32 @@ def test_pesq_weight_adds_the_term(tiny_model):
     for bad in (-0.1, float("nan")):
         with pytest.raises(ValueError, match="pesq_weight"):
             batch_loss(model, model, noisy, clean, bw, nullcontext, 1e-2, pesq_weight=bad)
+
+
+def test_pesq_compensate_selects_the_standards_score(tiny_model, pair):
+    """batch_loss's `pesq_compensate` switches the term to P.862's compensated score: on the golden
+    speech halved in level by a stand-in model, the standard's score forgives the level and the
+    training term charges it; `fit` passes --pesq-compensate through."""
+    from training.cli import build_parser
+
+    class Halve(torch.nn.Module):
+        config = tiny_model.config
+
+        def forward(self, x, pad_end=False):
+            return torch.full_like(x[:, : x.shape[1] - self.config.lookahead], 0.5), None
+
+    clean_np, _ = pair
+    clean = torch.from_numpy(clean_np)[None].repeat(2, 1)
+    bw = torch.tensor([8000.0, 8000.0])
+    net = Halve()
+    parts = {}
+    for comp in (False, True):
+        sums = loss_sums(net, net, clean, clean, bw, nullcontext, 1e-2, None, (False, False), 1.0, True, comp)
+        parts[comp] = (sums.pesq / sums.examples).item()
+        total = batch_loss(net, net, clean, clean, bw, nullcontext, 1e-2, pesq_weight=1.0, pesq_compensate=comp)
+        base = batch_loss(net, net, clean, clean, bw, nullcontext, 1e-2)
+        assert total.item() == pytest.approx(base.item() + parts[comp], rel=1e-5)
+    assert parts[True] < 0.02 < parts[False], parts
+    args = build_parser().parse_args(["fit", "--data", "d", "--out", "o", "--pesq-weight", "2",
+                                      "--pesq-compensate"])
+    assert args.pesq_weight == 2.0 and args.pesq_compensate
