@@ -132,18 +132,12 @@ class PesqModel(torch.nn.Module):
         self.register_buffer("w_l1", torch.from_numpy((np.r_[0.0, widths[1:]] / total).astype(np.float32)))
         self.total_width = float(total)
 
-    def bark(self, mag: torch.Tensor, frame_mask: torch.Tensor | None = None,
-             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def bark(self, mag: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, F) magnitudes -> (B, T, 49) Bark power densities on P.862's scale and the (B,)
-        level-alignment factor: the given `scale`, or the one that aligns this signal, its level
-        measured over the frames of `frame_mask` (B, T) when given (the rest are padding)."""
+        level-alignment factor: the given `scale`, or the one that aligns this signal."""
         power = mag.float() ** 2 * self.window_ratio
         if scale is None:
-            band = (power * self.level_band).sum(-1)  # (B, T)
-            if frame_mask is None:
-                level = band.mean(-1)
-            else:
-                level = (band * frame_mask).sum(-1) / frame_mask.sum(-1).clamp_min(1.0)
+            level = (power * self.level_band).sum(-1).mean(-1)  # (B,) in-band power per frame
             scale = self.level_target / level.clamp_min(1e-20)
         power = power * scale[:, None, None] * self.input_filter
         return power @ self.fbank, scale
@@ -158,13 +152,12 @@ class PesqModel(torch.nn.Module):
         loud = self.loud_scale * (ratio ** self.exponent - 1.0)
         return torch.where(bark > self.thresh, loud, torch.zeros_like(loud))
 
-    def disturbances(self, est_mag: torch.Tensor, clean_mag: torch.Tensor,
-                     frame_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def disturbances(self, est_mag: torch.Tensor, clean_mag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, F) estimate and clean magnitudes -> (B,) d_sym, (B,) d_asym."""
-        ref, scale = self.bark(clean_mag, frame_mask)
-        deg, _ = self.bark(est_mag, frame_mask, None if self.compensate else scale)
+        ref, scale = self.bark(clean_mag)
+        deg, _ = self.bark(est_mag, None if self.compensate else scale)
         if self.compensate:
-            ref, deg = self._compensate(ref, deg, frame_mask)
+            ref, deg = self._compensate(ref, deg)
         loud_deg, loud_ref = self.loudness(deg), self.loudness(ref)
         diff = loud_deg - loud_ref
         dead = 0.25 * torch.minimum(loud_deg, loud_ref)
@@ -175,16 +168,12 @@ class PesqModel(torch.nn.Module):
         d_asym = self.total_width * ((dist * asym).abs() * self.w_l1).sum(-1)
         h = ((self.audible(ref) + 1e5) / 1e7) ** 0.04
         d_sym, d_asym = (d_sym / h).clamp_max(45.0), (d_asym / h).clamp_max(45.0)
-        if frame_mask is not None:
-            d_sym, d_asym = d_sym * frame_mask, d_asym * frame_mask
         return aggregate(d_sym), aggregate(d_asym)
 
-    def _compensate(self, ref: torch.Tensor, deg: torch.Tensor, frame_mask: torch.Tensor | None):
+    def _compensate(self, ref: torch.Tensor, deg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """P.862's partial compensation of the frequency response (on the reference) and of
         short-term gain changes (on the degraded signal), over the Bark powers (B, T, 49)."""
         speech = (self.audible(ref, 1e2) >= 1e7).float()  # P.862's non-silent frames
-        if frame_mask is not None:
-            speech = speech * frame_mask
 
         def band_mean(x: torch.Tensor) -> torch.Tensor:  # audible power over the speech frames, per band
             x = torch.where(x > self.thresh * 1e2, x, torch.zeros_like(x)) * speech[..., None]
@@ -196,23 +185,20 @@ class PesqModel(torch.nn.Module):
         gain = torch.cat([gain[:, :1], 0.8 * gain[:, 1:] + 0.2 * gain[:, :-1]], dim=1).clamp(3e-4, 5.0)
         return ref, deg * gain[..., None]
 
-    def loss(self, est_mag: torch.Tensor, clean_mag: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(self, est_mag: torch.Tensor, clean_mag: torch.Tensor) -> torch.Tensor:
         """(B,) 0.1 d_sym + 0.0309 d_asym: 4.5 minus P.862's raw score."""
-        d_sym, d_asym = self.disturbances(est_mag, clean_mag, frame_mask)
+        d_sym, d_asym = self.disturbances(est_mag, clean_mag)
         return 0.1 * d_sym + 0.0309 * d_asym
 
-    def mos(self, est_mag: torch.Tensor, clean_mag: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def mos(self, est_mag: torch.Tensor, clean_mag: torch.Tensor) -> torch.Tensor:
         """(B,) the model's MOS-LQO (P.862.2's mapping of the raw score)."""
-        raw = 4.5 - self.loss(est_mag, clean_mag, frame_mask)
+        raw = 4.5 - self.loss(est_mag, clean_mag)
         return 0.999 + 4.0 / (1.0 + torch.exp(-1.3669 * raw + 3.8224))
 
 
 def aggregate(d: torch.Tensor, span: int = 20, hop: int = 10) -> torch.Tensor:
-    """(B, T) frame disturbances -> (B,): L6 over `span`-frame intervals every `hop`, then L2."""
-    t = d.shape[1]
-    if t <= span:
-        intervals = d.pow(6).mean(1, keepdim=True).clamp_min(1e-30).pow(1.0 / 6.0)
-    else:
-        windows = d.unfold(1, span, hop)  # (B, K, span)
-        intervals = windows.pow(6).mean(-1).clamp_min(1e-30).pow(1.0 / 6.0)
+    """(B, T) frame disturbances -> (B,): L6 over `span`-frame intervals every `hop` (one interval
+    of all T frames when T <= span), then L2."""
+    windows = d.unfold(1, min(span, d.shape[1]), hop)  # (B, K, span)
+    intervals = windows.pow(6).mean(-1).clamp_min(1e-30).pow(1.0 / 6.0)
     return intervals.pow(2).mean(1).sqrt()
