@@ -77,6 +77,10 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
                    help="weight of the magnitude terms' errors in bins where the estimate exceeds the clean "
                         "magnitude (noise left in) relative to bins where it falls short (speech removed); "
                         "default 1: symmetric; e.g. 2 to suppress more, as PESQ penalises added energy more")
+    p.add_argument("--dropout", type=float, metavar="P",
+                   help="residual dropout of this run (default: the resumed run's, else the model config's: 0.1 "
+                        "for the presets); e.g. 0 to fine-tune without it. Inference never drops, so the "
+                        "exported model and its config do not depend on it")
     p.add_argument("--augment", action="store_true",
                    help="switch on the augmentation recipe (reverb, EQ, speed, band-limiting, clipping, procedural "
                         "and layered noise, more music and babble; training.data.AUGMENT_RECIPE)")
@@ -175,7 +179,7 @@ def cmd_fit(args) -> int:
         total_steps=args.total_steps, final_lr=args.final_lr,
         dev=args.dev, dev_every=args.dev_every, dev_files=args.dev_files or None,
         dnsmos_dir=args.dnsmos_dir if args.dev is not None else None, data_workers=args.data_workers,
-        compile=args.compile,
+        compile=args.compile, dropout=args.dropout,
     )
     result = fit(opts, data)
     if not args.quiet and _is_main():

@@ -92,6 +92,14 @@ class FitOptions:
     dnsmos_dir: Path | None = None  # DNSMOS models for the tie-break (None: PESQ alone)
     compile: bool = False  # torch.compile the model (one process)
     data_workers: int | None = None  # processes making batches ahead (training.feeder); None: 0 on CPU, cores - 2 on CUDA
+    dropout: float | None = None  # residual dropout of this run; None: the resumed run's, else the model config's
+
+
+def set_dropout(model: torch.nn.Module, p: float) -> None:
+    """Set the probability of every dropout layer of `model` (the config and the weights stay as they are)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
 
 
 def choose_precision(requested: str, device: torch.device) -> str:
@@ -260,6 +268,9 @@ class Trainer:
         if not o.pesq_weight >= 0.0:
             raise ValueError(f"--pesq-weight must be >= 0, got {o.pesq_weight!r}")
         self.seed = state["seed"] if state else o.seed
+        self.dropout = o.dropout if o.dropout is not None else (state.get("dropout") if state is not None else None)
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must lie in [0, 1), got {self.dropout!r}")
         self.threads = o.threads or max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", d.world))))
         torch.set_num_threads(self.threads)
         self.precision = choose_precision(o.precision, d.device)
@@ -307,6 +318,9 @@ class Trainer:
                                                   self.synth.music.audio if self.synth.music else None, self.mix,
                                                   self.seed, stream=1), o.norm_examples, self.cfg)
             model.set_normalization(mean, std)
+        if self.dropout is not None:  # a training setting: inference (eval mode, the export) never drops
+            set_dropout(model, self.dropout)
+            self.log(f"residual dropout {self.dropout:g} (the model config's: {self.cfg.dropout:g})")
         self.core = model.to(d.device)
         self.net = self.core
         if d.enabled:
@@ -508,7 +522,7 @@ class Trainer:
             "train": {"step": self.step, "examples": self.examples, "hours": self.hours, "lr": self.lr,
                       "best_valid": self.best, "bad_validations": self.bad, "seed": self.seed,
                       "mix": self.mix.to_dict(), "world_size": self.dist.world,
-                      "batch_size": self.batch_size,
+                      "batch_size": self.batch_size, "dropout": self.dropout,
                       "best_dev": self.best_dev.to_dict() if self.best_dev is not None else None},
             "optimizer": self.opt.state_dict(),
             "rng": rng,

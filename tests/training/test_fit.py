@@ -252,3 +252,22 @@ def test_context_note_flags_segments_where_under_a_third_of_the_frames_see_the_w
     assert "62 of the 187 frames" in context_note(cfg, 188 * 256)  # 189 frames: 3 x 62 < 187
     assert context_note(cfg, 189 * 256) is None  # 190 frames: 3 x 63 >= 188
     assert context_note(cfg, 4 * 16000) is None
+
+
+def test_dropout_is_a_run_setting_kept_on_resume(corpus, tiny_config, cache_dir, tmp_path, capsys):
+    """--dropout 0 changes the training loss from the first step (same data and initial weights),
+    is recorded in train.json and the checkpoints' training state, survives a resume without the
+    flag, and leaves the model config (what the export and the runtime read) unchanged."""
+    plain, off = tmp_path / "plain", tmp_path / "off"
+    assert main(fit_args(corpus, tiny_config, cache_dir, plain, 2)) == 0
+    assert main(fit_args(corpus, tiny_config, cache_dir, off, 2, "--dropout", "0")) == 0
+    assert json.loads((off / "train.json").read_text())["options"]["dropout"] == 0.0
+    assert losses(off)[1] != losses(plain)[1]
+    assert main(fit_args(corpus, tiny_config, cache_dir, off, 4)) == 0  # resumes, no --dropout given
+    model = load_checkpoint(off / "checkpoints" / "step-00000004.pt")
+    assert model.checkpoint["extra"]["train"]["dropout"] == 0.0
+    assert model.config.dropout == json.loads(tiny_config.read_text()).get("dropout", 0.1) > 0
+    assert load_checkpoint(plain / "checkpoints" / "step-00000002.pt").checkpoint["extra"]["train"]["dropout"] is None
+    capsys.readouterr()
+    assert main(fit_args(corpus, tiny_config, cache_dir, tmp_path / "bad", 2, "--dropout", "1")) == 2
+    assert "--dropout must lie in [0, 1)" in capsys.readouterr().err
