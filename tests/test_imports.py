@@ -30,11 +30,26 @@ def modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
     return found
 
 
+def parse(path: Path, attempts: int = 3) -> ast.Module:
+    """`ast.parse` of a file, retried on CPython 3.11's spurious "AST constructor recursion depth
+    mismatch" SystemError (python/cpython#106905; seen once in this suite on 3.11.7): the counter
+    it checks is module state shared by all threads, so another thread can upset it. A syntax
+    error still fails at once."""
+    source = path.read_text()
+    for attempt in range(attempts):
+        try:
+            return ast.parse(source, str(path))
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """The modules of `known` that module `name` (at `path`) imports, anywhere in its body."""
     is_package = path.name == "__init__.py"
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
