@@ -2,7 +2,7 @@
 
     python -m tests.golden_update
 
-Scores (training.metrics, as `enhancer-train eval`) of the noisy fixture and of the shipped model's
+Scores (training.evaluation.metrics, as `enhancer-train eval`) of the noisy fixture and of the shipped model's
 output, both against the clean fixture; the tolerances already in golden.json are kept.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.shards import sha256
+from training.data.shards import sha256
 
 UPDATE_COMMAND = "python -m tests.golden_update"
 GOLDEN_DIR = Path(__file__).resolve().parent / "fixtures" / "golden"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from enhancer import load_checkpoint, save_checkpoint
 
-from .manifests import DataError
+from .data.manifests import DataError
 
 
 def average_checkpoints(paths, out, weights=None, half: bool = False) -> Path:

@@ -2,7 +2,7 @@
 
 Times, for each batch size, the model's training step alone (forward with the objective, backward,
 Adam) on inputs already on the device, and separately the mixing of one batch on one CPU core
-(`training.data.Synthesizer`, from a corpus or a packed copy); prints audio-seconds per second of
+(`training.data.synthesis.Synthesizer`, from a corpus or a packed copy); prints audio-seconds per second of
 each, so the two can be compared (mixing scales with `fit --data-workers`).
 
     enhancer-train bench-fit --init models/tim.pt --batch 32,128,256 --precision bf16
@@ -43,7 +43,7 @@ def cmd_bench_fit(args) -> int:
     from enhancer import build_model, load_checkpoint
 
     from .loop import allow_tf32, autocast_for, choose_precision
-    from .objective import batch_loss
+    from .losses.objective import batch_loss
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,8 +97,8 @@ def cmd_bench_fit(args) -> int:
               f"audio-s/s" + (f", {row['max_memory_gib']:.1f} GiB" if "max_memory_gib" in row else ""), flush=True)
     result = {"device": name, "precision": precision, "compiled": args.compile, "model": rows}
     if args.shards:
-        from .data import AUGMENT_RECIPE, MixConfig, Synthesizer
-        from .shards import packed_layout
+        from .data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
+        from .data.shards import packed_layout
 
         data = packed_layout([Path(f) for f in args.shards.split(",") if f], log=lambda *_: None)
         a = data.audio

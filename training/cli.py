@@ -2,14 +2,14 @@
 torchrun). This module only wires the sub-commands; each lives in its own module:
 
     fit           train a model                                  training.fit (training.loop)
-    eval          score a model on paired noisy/clean files      training.evaluate
-    plot          spectrograms, competition scores, curves       training.plots
-    competition   do the TIM mechanisms specialise on speech?    training.competition
-    devset        build the dev test set                         training.devset
+    eval          score a model on paired noisy/clean files      training.evaluation.evaluate
+    plot          spectrograms, competition scores, curves       training.evaluation.plots
+    competition   do the TIM mechanisms specialise on speech?    training.evaluation.competition
+    devset        build the dev test set                         training.evaluation.devset
     bench-peers   the model beside peer denoisers                training.peers (a source checkout)
-    ablation      the ablation table of several runs             training.ablation
-    synth-noise   generated noise and its manifest (quickstart)  training.synth_noise
-    pack          the corpus as compressed shards (GPU machines)  training.shards
+    ablation      the ablation table of several runs             training.evaluation.ablation
+    synth-noise   generated noise and its manifest (quickstart)  training.data.synth_noise
+    pack          the corpus as compressed shards (GPU machines)  training.data.shards
     bench-fit     where a training step's time goes               training.benchfit
     average       the mean of several checkpoints (model soup)    training.average
 
@@ -26,18 +26,18 @@ import sys
 
 from enhancer.errors import EnhancerError
 
-from .ablation import add_ablation
+from .evaluation.ablation import add_ablation
 from .average import add_average
-from .competition import add_competition
+from .evaluation.competition import add_competition
 from .defaults import Defaults
-from .devset import add_devset
-from .evaluate import add_eval
+from .evaluation.devset import add_devset
+from .evaluation.evaluate import add_eval
 from .fit import add_fit
-from .manifests import DataError
-from .plots import add_plot
+from .data.manifests import DataError
+from .evaluation.plots import add_plot
 from .benchfit import add_bench_fit
-from .shards import add_pack
-from .synth_noise import add_synth_noise
+from .data.shards import add_pack
+from .data.synth_noise import add_synth_noise
 
 
 def add_bench_peers(sub) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from enhancer import ModelConfig
 
-from .manifests import DataError
+from .data.manifests import DataError
 
 
 def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
@@ -61,14 +61,14 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
                         "log-magnitude loss (default 0: the log-magnitude loss alone)")
     p.add_argument("--sisdr-weight", type=float, default=0.0,
                    help="add this weight times the mean -SI-SDR (dB) of the waveform resynthesised from the gains "
-                        "and the noisy phase (default 0: off; training.objective)")
+                        "and the noisy phase (default 0: off; training.losses.objective)")
     p.add_argument("--mrstft-weight", type=float, default=0.0,
                    help="add this weight times the multi-resolution STFT loss of the resynthesised waveform "
                         "(default 0: off)")
     p.add_argument("--pesq-weight", type=float, default=0.0,
                    help="add this weight times a differentiable model of wideband PESQ's disturbance "
                         "(ITU-T P.862.2; 4.5 minus the raw score) of the estimated magnitudes "
-                        "(default 0: off; training.perceptual)")
+                        "(default 0: off; training.losses.perceptual)")
     p.add_argument("--pesq-compensate", action="store_true",
                    help="compute the --pesq-weight term with P.862's own level, frequency-response and gain "
                         "compensations, as the standard scores: it forgives colouring and attenuating speech, "
@@ -83,9 +83,9 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
                         "exported model and its config do not depend on it")
     p.add_argument("--augment", action="store_true",
                    help="switch on the augmentation recipe (reverb, EQ, speed, band-limiting, clipping, procedural "
-                        "and layered noise, more music and babble; training.data.AUGMENT_RECIPE)")
+                        "and layered noise, more music and babble; training.data.synthesis.AUGMENT_RECIPE)")
     p.add_argument("--mix", action="append", default=[], metavar="KEY=VALUE",
-                   help="set one mixing/augmentation setting of training.data.MixConfig, e.g. --mix p_reverb=0 "
+                   help="set one mixing/augmentation setting of training.data.synthesis.MixConfig, e.g. --mix p_reverb=0 "
                         "or --mix rt60_s=0.3,0.8 (repeatable; applied after --augment)")
     p.add_argument("--schedule", choices=("plateau", "cosine"), default="plateau",
                    help="plateau: halve the lr after --patience validations without improvement; cosine: linear "
@@ -128,14 +128,14 @@ def model_config(args) -> ModelConfig | None:
 
 
 def training_data(args):
-    from . import layouts
+    from .data import layouts
 
     given = [n for n in ("data", "dns_root", "speech", "shards") if getattr(args, n)]
     if len(given) != 1:
         raise DataError("give exactly one data source: --data ROOT, --dns-root DIR, --shards DIR, "
                         "or --speech and --noise manifests")
     if args.shards:
-        from .shards import packed_layout
+        from .data.shards import packed_layout
 
         return packed_layout([Path(f) for f in args.shards.split(",") if f], log=_log)
     if args.data:
@@ -160,7 +160,7 @@ def cmd_fit(args) -> int:
     if args.p_clean is not None:
         mix["p_clean"] = args.p_clean
     if args.augment:
-        from .data import AUGMENT_RECIPE
+        from .data.synthesis import AUGMENT_RECIPE
 
         mix = {**AUGMENT_RECIPE, **mix}
     mix.update(parse_mix_settings(args.mix))
@@ -192,7 +192,7 @@ def parse_mix_settings(pairs: list[str]) -> dict:
     bad values are refused here, before any data is read."""
     from dataclasses import fields
 
-    from .data import TUPLE_FIELDS, MixConfig
+    from .data.synthesis import TUPLE_FIELDS, MixConfig
 
     known = {f.name for f in fields(MixConfig)} - {"source_weights"}
     out = {}

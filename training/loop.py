@@ -33,15 +33,15 @@ from enhancer.errors import CheckpointError
 from enhancer.model import count_parameters
 from enhancer.signal import n_frames_for
 
-from .audio_cache import default_cache_root
+from .data.audio_cache import default_cache_root
 from .checkpoints import CheckpointDir
-from .data import MixConfig, Synthesizer, validation_set
-from .devscore import DevScore, DevScorer, combine, load_dev_pairs
+from .data.synthesis import MixConfig, Synthesizer, validation_set
+from .evaluation.devscore import DevScore, DevScorer, combine, load_dev_pairs
 from .distributed import Dist
-from .feeder import BatchFeeder
-from .layouts import TrainingData
-from .manifests import describe
-from .objective import batch_loss, feature_stats, loss_sums
+from .data.feeder import BatchFeeder
+from .data.layouts import TrainingData
+from .data.manifests import describe
+from .losses.objective import batch_loss, feature_stats, loss_sums
 from .progress import Progress
 
 METRICS_COLUMNS = ("step", "examples", "hours", "split", "loss", "lr", "audio_s_per_s", "grad_norm")
@@ -75,11 +75,11 @@ class FitOptions:
     cache_dir: Path | None = None
     jobs: int | None = None  # processes decoding audio into the cache
     quiet: bool = False
-    loss_floor: float | None = None  # None: the model's log_eps (see training.objective)
-    compressed_weight: float = 0.0  # weight of the compressed-magnitude term (training.objective.batch_loss)
+    loss_floor: float | None = None  # None: the model's log_eps (see training.losses.objective)
+    compressed_weight: float = 0.0  # weight of the compressed-magnitude term (training.losses.objective.batch_loss)
     sisdr_weight: float = 0.0  # weight of the -SI-SDR (dB) of the resynthesised waveform
     mrstft_weight: float = 0.0  # weight of the multi-resolution STFT loss of the resynthesised waveform
-    pesq_weight: float = 0.0  # weight of the P.862 disturbance of the estimated magnitudes (training.perceptual)
+    pesq_weight: float = 0.0  # weight of the P.862 disturbance of the estimated magnitudes (training.losses.perceptual)
     pesq_compensate: bool = False  # that term with P.862's level/frequency/gain compensations (ablation only)
     overestimate_weight: float = 1.0  # magnitude errors where the estimate exceeds the clean, relative (1: symmetric)
     schedule: str = "plateau"  # plateau: halve after `patience` bad validations; cosine: warm-up, then cosine decay
@@ -91,7 +91,7 @@ class FitOptions:
     dev_files: int | None = 48  # an evenly spaced selection of the dev pairs (None: all)
     dnsmos_dir: Path | None = None  # DNSMOS models for the tie-break (None: PESQ alone)
     compile: bool = False  # torch.compile the model (one process)
-    data_workers: int | None = None  # processes making batches ahead (training.feeder); None: 0 on CPU, cores - 2 on CUDA
+    data_workers: int | None = None  # processes making batches ahead (training.data.feeder); None: 0 on CPU, cores - 2 on CUDA
     dropout: float | None = None  # residual dropout of this run; None: the resumed run's, else the model config's
 
 

@@ -52,7 +52,7 @@ def test_table_reads_budget_best_loss_parameters_and_scores(tmp_path, capsys):
 
 
 def test_paired_interval_covers_the_mean_and_spans_zero_for_noise():
-    from training.ablation import paired
+    from training.evaluation.ablation import paired
 
     ref = {f"f{i}": {"pesq_wb": 2.0} for i in range(50)}
     noise = {f"f{i}": {"pesq_wb": 2.0 + (0.1 if i % 2 else -0.1)} for i in range(50)}

@@ -7,8 +7,8 @@ import soundfile as sf
 
 from tests.conftest import speechlike
 from tests.tolerance import assert_close_to_peak
-from training.audio_cache import cached_audio, load_audio
-from training.manifests import DataError, Item
+from training.data.audio_cache import cached_audio, load_audio
+from training.data.manifests import DataError, Item
 
 
 def _write(path, x, sr):

@@ -8,17 +8,17 @@ import pytest
 import soundfile as sf
 
 from tests.conftest import speechlike
-from training import augment
-from training.audio_cache import AudioSet
+from training.data import augment
+from training.data.audio_cache import AudioSet
 from training.cli import main as train_main
 from training.fit import parse_mix_settings
-from training.data import AUGMENT_RECIPE, MixConfig, Synthesizer
-from training.devscore import DevScore
-from training.holdout import UNSEEN_SOURCES, split_unseen
-from training.layouts import corpus_layout
+from training.data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
+from training.evaluation.devscore import DevScore
+from training.data.holdout import UNSEEN_SOURCES, split_unseen
+from training.data.layouts import corpus_layout
 from training.loop import cosine_lr
-from training.manifests import Item
-from training.mixing import active_rms
+from training.data.manifests import Item
+from training.data.mixing import active_rms
 
 SR = 16000
 
@@ -255,7 +255,7 @@ def test_fit_with_augmentation_cosine_schedule_and_dev_selection(corpus, tiny_co
     import torch
 
     from enhancer import load_checkpoint
-    from training.devset import build_devset
+    from training.evaluation.devset import build_devset
 
     threads = torch.get_num_threads()
     dev = build_devset(corpus, tmp_path / "dev", n=4, seconds=(1.5, 1.5), real_pairs=None, cache_root=cache_dir,

@@ -8,7 +8,7 @@ import torch
 from enhancer import ModelConfig, build_model, load_checkpoint, save_checkpoint
 from training.average import average_checkpoints
 from training.cli import main
-from training.manifests import DataError
+from training.data.manifests import DataError
 
 from tests.training.conftest import TINY_MODEL
 

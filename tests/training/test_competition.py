@@ -11,7 +11,7 @@ import soundfile as sf
 from tests.conftest import speechlike
 from tests.training.conftest import TINY_MODEL
 from training.cli import main
-from training.competition import (
+from training.evaluation.competition import (
     SPECIALISATION_R,
     Clip,
     analyse,

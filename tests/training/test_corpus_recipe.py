@@ -8,7 +8,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from training.holdout import UNSEEN_SOURCES
+from training.data.holdout import UNSEEN_SOURCES
 
 RECIPE = Path(__file__).resolve().parents[2] / "training" / "corpus" / "extra.tsv"
 COLUMNS = ["split", "category", "package", "version", "deb_member", "zip_member", "sha256", "seconds", "sample_rate",

@@ -14,7 +14,7 @@ from pystoi import stoi
 from tests.conftest import speechlike
 from training.cli import main
 from training.defaults import default_dnsmos_dir
-from training.metrics import si_sdr
+from training.evaluation.metrics import si_sdr
 from tests.tolerance import assert_close_to_peak, assert_differs
 
 DNSMOS_DIR = default_dnsmos_dir()
@@ -162,8 +162,8 @@ def test_eval_input_errors(tiny_onnx, tmp_path, capsys):
 
 @needs_dnsmos
 def test_dnsmos_prefers_clean_speech():
-    from training.dnsmos import DNSMOS
-    from training.mixing import mix
+    from training.evaluation.dnsmos import DNSMOS
+    from training.data.mixing import mix
 
     d = DNSMOS(DNSMOS_DIR)
     x = speechlike(int(16000 * 4.6), seed=3)  # tiled once to 9.2 s: a single 9.01 s window
@@ -186,7 +186,7 @@ def test_eval_without_clean_uses_dnsmos(tiny_onnx, tmp_path):
 
 
 def test_subsets_by_snr_and_kind_from_dev_set_names():
-    from training.evaluate import subsets
+    from training.evaluation.evaluate import subsets
 
     names = ["snr-05_music_0007.wav", "snr000_noise_0001.wav", "snr020_babble_0002.wav", "snr05_0042.wav",
              "real_p287_001.wav", "other.wav"]

@@ -17,7 +17,7 @@ import torch
 from enhancer import load_checkpoint
 from training.cli import main
 from training.loop import FitOptions, Trainer
-from training.layouts import corpus_layout
+from training.data.layouts import corpus_layout
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,9 @@ import pytest
 import soundfile as sf
 
 from tests.conftest import speechlike
-from training import layouts
-from training.audio_cache import read16k
-from training.manifests import DataError, Item, read_manifest, write_manifest
+from training.data import layouts
+from training.data.audio_cache import read16k
+from training.data.manifests import DataError, Item, read_manifest, write_manifest
 
 
 def test_corpus_layout_reads_all_manifests(corpus):
@@ -127,8 +127,8 @@ def test_paired_folders_reports_unmatched(tmp_path):
 
 def test_files_tsv_paths_resolve_from_the_data_root_and_its_split_column_is_used(tmp_path):
     """Like ../shared/data/speech/files.tsv: paths relative to the data root, a split column."""
-    from training.layouts import manifest_layout
-    from training.manifests import read_manifest
+    from training.data.layouts import manifest_layout
+    from training.data.manifests import read_manifest
 
     root = tmp_path / "data"
     rows = ["split\tcategory\tpath\tseconds\tsample_rate\tgroup"]
@@ -150,7 +150,7 @@ def test_files_tsv_paths_resolve_from_the_data_root_and_its_split_column_is_used
 
 
 def test_a_missing_file_is_reported_as_not_found(tmp_path):
-    from training.audio_cache import AudioReadError, load_audio
+    from training.data.audio_cache import AudioReadError, load_audio
 
     with pytest.raises(AudioReadError, match=f"^file not found: {tmp_path / 'gone.flac'}$"):
         load_audio(tmp_path / "gone.flac")

@@ -7,11 +7,11 @@ import torch
 
 from enhancer import ModelConfig
 from tests.conftest import speechlike
-from training.audio_cache import AudioSet
-from training.data import MixConfig, Synthesizer, validation_set
-from training.objective import band_weight
-from training.manifests import Item
-from training.mixing import active_rms, fit_length, level_db, mix, snr_db
+from training.data.audio_cache import AudioSet
+from training.data.synthesis import MixConfig, Synthesizer, validation_set
+from training.losses.objective import band_weight
+from training.data.manifests import Item
+from training.data.mixing import active_rms, fit_length, level_db, mix, snr_db
 
 
 @pytest.mark.parametrize("snr", [0.0, 7.5, 25.0, 40.0])

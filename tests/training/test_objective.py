@@ -12,7 +12,7 @@ import torch
 from enhancer import ModelConfig
 from enhancer.config import STFTConfig
 from enhancer.model import features
-from training.objective import (COMPRESSED_POWER, band_weight, batch_loss, loss_sums, mrstft_loss, resynthesise,
+from training.losses.objective import (COMPRESSED_POWER, band_weight, batch_loss, loss_sums, mrstft_loss, resynthesise,
                                 si_sdr)
 
 

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 
 from tests.conftest import speechlike
-from training.manifests import DataError
+from training.data.manifests import DataError
 from training.peers.adapters import PEERS, Peer, make_peer
 from training.peers.align import estimate_delay, fit, measure_delay, resample
 from training.peers.cli import add_bench_peers, cmd_bench_peers, peer_names

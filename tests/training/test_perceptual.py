@@ -1,4 +1,4 @@
-"""The differentiable P.862 model (`training.perceptual`) against the reference PESQ-WB (the `pesq`
+"""The differentiable P.862 model (`training.losses.perceptual`) against the reference PESQ-WB (the `pesq`
 package, ITU-T P.862.2's C code) on a real speech pair, its invariances and its gradient, and the
 `--pesq-weight` term of the training objective."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from enhancer.config import STFTConfig
 from enhancer.model import features
-from training.objective import batch_loss, loss_sums, pesq_model
-from training.perceptual import PesqModel, aggregate
+from training.losses.objective import batch_loss, loss_sums, pesq_model
+from training.losses.perceptual import PesqModel, aggregate
 
 pesq = pytest.importorskip("pesq")
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"

@@ -9,7 +9,7 @@ import soundfile as sf
 
 from tests.conftest import speechlike
 from training.cli import main
-from training.plots import enhance_with_competition
+from training.evaluation.plots import enhance_with_competition
 from tests.tolerance import assert_close_to_peak
 
 

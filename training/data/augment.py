@@ -1,6 +1,6 @@
 """Augmentations of a training example, each a pure function of a random generator and its inputs.
 
-The training mixer (`training.data.Synthesizer`) calls them when `MixConfig` switches them on (all are
+The training mixer (`training.data.synthesis.Synthesizer`) calls them when `MixConfig` switches them on (all are
 off by default, so runs started before they existed resume unchanged; `fit --augment` switches on the
 recipe of the shipped model, `fit --mix KEY=VALUE` any single setting):
 

@@ -1,6 +1,6 @@
 """Training batches made ahead by worker processes, so that mixing keeps up with a fast device.
 
-Example `i` of the stream is a pure function of (seed, i) (`training.data`), so the workers may make
+Example `i` of the stream is a pure function of (seed, i) (`training.data.synthesis`), so the workers may make
 the examples of future steps in any order: batch k of a process holds the examples
 `first + k * stride ... + batch_size`, exactly those the trainer would have made itself, and a run
 with workers sees the same data as one without them (`tests/training/test_feeder.py`).

@@ -34,7 +34,7 @@ class TrainingData:
     train: dict[str, list[Item]] = field(default_factory=dict)
     valid: dict[str, list[Item]] = field(default_factory=dict)
     description: str = ""
-    # whole sources held out of both splits (`training.holdout`): the unseen-source dev set's material
+    # whole sources held out of both splits (`training.data.holdout`): the unseen-source dev set's material
     unseen: dict[str, list[Item]] = field(default_factory=dict)
     # audio decoded already, {(category, split): AudioSet} (`fit --shards`); empty: decode the items
     audio: dict = field(default_factory=dict)
@@ -66,7 +66,7 @@ class TrainingData:
 # --------------------------------------------------------------------------- training sources
 def corpus_layout(root, hold_out: bool = True) -> TrainingData:
     """`ROOT/manifests/{speech,noise,music}_{train,valid}.tsv` (music optional). With `hold_out`,
-    the sources of `training.holdout.UNSEEN_SOURCES` leave both splits for `TrainingData.unseen`."""
+    the sources of `training.data.holdout.UNSEEN_SOURCES` leave both splits for `TrainingData.unseen`."""
     from .holdout import split_unseen
 
     root = Path(root)

@@ -48,7 +48,7 @@ class MixConfig:
     # one, and digital silence (gaps, padded prompts) would otherwise dominate the log-magnitude loss
     floor_db: tuple[float, float] = (60.0, 80.0)
     source_weights: dict[str, float] = field(default_factory=dict)  # override the sqrt(groups) rule
-    # augmentations (training.augment), all off by default; AUGMENT_RECIPE switches them on
+    # augmentations (training.data.augment), all off by default; AUGMENT_RECIPE switches them on
     p_reverb: float = 0.0
     rt60_s: tuple[float, float] = (0.2, 1.0)
     drr_db: tuple[float, float] = (-2.0, 15.0)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from enhancer import ModelConfig
 
-from .manifests import DataError
+from ..data.manifests import DataError
 from .metrics import LABELS
 
 METRICS = tuple((k, LABELS[k], decimals) for k, decimals in (("pesq_wb", 3), ("stoi", 3), ("si_sdr", 2), ("dnsmos_ovrl", 2)))

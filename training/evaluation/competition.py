@@ -31,8 +31,8 @@ import numpy as np
 
 from enhancer.config import SAMPLE_RATE
 
-from .audio_cache import read16k
-from .manifests import DataError
+from ..data.audio_cache import read16k
+from ..data.manifests import DataError
 from .plots import _pyplot, _save, enhance_with_competition, log_spectrogram
 
 SPEECH_RANGE_DB = 20.0  # active: within this many dB of the loudest frames (real "clean" references have noise floors ~30 dB down)
@@ -326,7 +326,7 @@ def add_competition(sub) -> None:
 
 
 def cmd_competition(args) -> int:
-    from .layouts import paired_folders
+    from ..data.layouts import paired_folders
 
     pairs = paired_folders(args.noisy, args.clean)
     if args.limit:

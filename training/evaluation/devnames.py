@@ -1,5 +1,5 @@
 """What the dev sets' file names say: `snr-05_music_0007.wav` is a -5 dB mixture with music,
-`real_p287_001.wav` a real recorded pair (`training.devset` writes these names)."""
+`real_p287_001.wav` a real recorded pair (`training.evaluation.devset` writes these names)."""
 from __future__ import annotations
 
 import re

@@ -15,7 +15,7 @@ import numpy as np
 
 from enhancer.config import SAMPLE_RATE
 
-from .manifests import DataError
+from ..data.manifests import DataError
 
 PESQ_TIE = 0.005  # PESQ differences below this are ties, decided by DNSMOS OVRL
 
@@ -47,8 +47,8 @@ def load_dev_pairs(folder, limit: int | None = None) -> list[tuple[str, np.ndarr
     """(name, noisy, clean) of `folder/noisy` and `folder/clean` at 16 kHz; with `limit`, an evenly
     spaced selection in name order (the dev sets' names cycle through SNRs and noise kinds, so an even
     spacing keeps every SNR and kind)."""
-    from .audio_cache import read16k
-    from .layouts import paired_folders
+    from ..data.audio_cache import read16k
+    from ..data.layouts import paired_folders
 
     folder = Path(folder)
     pairs = paired_folders(folder / "noisy", folder / "clean")

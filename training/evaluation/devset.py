@@ -11,7 +11,7 @@ named `snr05_0042.wav`; plus the real Voicebank+DEMAND p287 pairs from the share
     enhancer-train devset --unseen --data ../enhancer-data --out ../enhancer-devset-unseen
 
 builds the *unseen-source* dev set instead: the noises and music come only from the sources that
-`training.holdout` keeps out of training whole (not one file of them is trained on), the speech and
+`training.data.holdout` keeps out of training whole (not one file of them is trained on), the speech and
 babble talkers from the validation speakers, at {-5, 0, 5, 10, 15, 20} dB, one noise category per
 file in turn (environmental noise, music, babble), named `snr-05_music_0007.wav`; plus the real
 p287 pairs. This is the set checkpoints are selected on (`fit --dev`).
@@ -26,10 +26,10 @@ import numpy as np
 
 from enhancer.config import SAMPLE_RATE
 
-from .audio_cache import cached_audio, stderr_log
-from .data import MixConfig, Synthesizer
-from .layouts import corpus_layout
-from .manifests import DataError
+from ..data.audio_cache import cached_audio, stderr_log
+from ..data.synthesis import MixConfig, Synthesizer
+from ..data.layouts import corpus_layout
+from ..data.manifests import DataError
 
 SNRS = (0, 5, 10, 15, 20)
 UNSEEN_SNRS = (-5, 0, 5, 10, 15, 20)
@@ -52,7 +52,7 @@ def build_devset(data_root, out, n: int = 150, seconds: tuple[float, float] = (8
     if unseen:
         if not data.unseen.get("noise") or not data.unseen.get("music"):
             raise DataError(f"{data_root}: the corpus holds none of the held-out noise/music sources "
-                            "(training.holdout.UNSEEN_SOURCES); rebuild it with materialize.sh")
+                            "(training.data.holdout.UNSEEN_SOURCES); rebuild it with materialize.sh")
         noise = cached_audio(data.unseen["noise"], "noise_unseen", cache_root, log=log)
         music = cached_audio(data.unseen["music"], "music_unseen", cache_root, log=log)
     else:
@@ -108,7 +108,7 @@ def add_devset(sub, real_pairs: Path | None = None) -> None:
     p.add_argument("-n", type=int, help="number of mixtures (default 150; 180 with --unseen)")
     p.add_argument("--seed", type=int, help=f"mixing seed (default {DEV_SEED}; {UNSEEN_SEED} with --unseen)")
     p.add_argument("--unseen", action="store_true",
-                   help="noise and music only from the sources held out of training whole (training.holdout), "
+                   help="noise and music only from the sources held out of training whole (training.data.holdout), "
                         "-5..20 dB, one category per file in turn: the set to select checkpoints on")
     p.add_argument("--real-pairs", default="" if real_pairs is None else str(real_pairs),
                    help="folder with noisy/ and clean/ real pairs ('' for none; default: ../shared/data/dev/valentini_p287)")

@@ -26,10 +26,10 @@ import numpy as np
 
 from enhancer.config import SAMPLE_RATE
 
-from .audio_cache import read16k
+from ..data.audio_cache import read16k
 from .devnames import KINDS, kind_of
-from .layouts import Pair, dns_test_pairs, paired_folders, voicebank_test_pairs
-from .manifests import DataError
+from ..data.layouts import Pair, dns_test_pairs, paired_folders, voicebank_test_pairs
+from ..data.manifests import DataError
 from .metrics import DNSMOS_KEYS, INTRUSIVE, LABELS
 
 

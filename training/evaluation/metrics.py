@@ -12,7 +12,7 @@ import numpy as np
 from enhancer.config import SAMPLE_RATE
 
 INTRUSIVE = ("pesq_wb", "stoi", "estoi", "si_sdr")  # the keys of `intrusive`, in report order
-DNSMOS_KEYS = ("dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")  # training.dnsmos, as eval reports it
+DNSMOS_KEYS = ("dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")  # training.evaluation.dnsmos, as eval reports it
 # How every report (eval, bench-peers, ablation) names the metrics.
 LABELS = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "estoi": "ESTOI", "si_sdr": "SI-SDR (dB)",
           "dnsmos_sig": "DNSMOS SIG", "dnsmos_bak": "DNSMOS BAK", "dnsmos_ovrl": "DNSMOS OVRL"}

@@ -14,8 +14,8 @@ import numpy as np
 
 from enhancer.config import SAMPLE_RATE
 
-from .audio_cache import read16k
-from .manifests import DataError
+from ..data.audio_cache import read16k
+from ..data.manifests import DataError
 
 
 def _pyplot():

@@ -16,7 +16,7 @@ from enhancer.config import STFTConfig
 from enhancer import ModelConfig
 from enhancer.model import features
 
-from .data import Synthesizer
+from ..data.synthesis import Synthesizer
 from .perceptual import PesqModel
 
 COMPRESSED_POWER = 0.3  # the power-law compression of the auxiliary magnitude loss
@@ -39,7 +39,7 @@ class LossSums:
     compressed_err: torch.Tensor | None = None  # sum of w * (|estimate|^p - |clean|^p)^2, when asked for
     neg_sisdr: torch.Tensor | None = None  # sum over examples of -SI-SDR (dB) of the resynthesised waveform
     mrstft: torch.Tensor | None = None  # sum over examples of the multi-resolution STFT loss
-    pesq: torch.Tensor | None = None  # sum over examples of the P.862 disturbance (training.perceptual)
+    pesq: torch.Tensor | None = None  # sum over examples of the P.862 disturbance (training.losses.perceptual)
     examples: int = 0
 
     def loss(self, compressed_weight: float = 0.0, sisdr_weight: float = 0.0, mrstft_weight: float = 0.0,
@@ -141,7 +141,7 @@ def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: t
     the output, which the magnitude terms cannot. `overestimate_weight` (> 1) weighs the magnitude errors
     of noise left in above those of speech removed (`loss_sums`): PESQ's disturbance model penalises
     added energy more than missing energy. `pesq_weight` adds that times the mean of a differentiable
-    model of wideband PESQ's disturbance (`training.perceptual`), on the estimated magnitudes; with
+    model of wideband PESQ's disturbance (`training.losses.perceptual`), on the estimated magnitudes; with
     `pesq_compensate` P.862's own level, frequency-response and gain compensations (ablation only)."""
     if not overestimate_weight > 0.0:
         raise ValueError(f"overestimate_weight must be > 0, got {overestimate_weight!r}")

@@ -26,7 +26,7 @@ construction) and the recursive smoothing of step 5 (here one step). Steps 1 (fo
 and 5 make the score forgive colouring and attenuating the speech; trained on, they let a model
 suppress far harder than it should (on the unseen dev set: PESQ-WB +0.36 but SI-SDR -8.6 dB, DNSMOS
 OVRL -0.20, 4-15 dB removed from speech bands). The training term (`PesqModel(compensate=False)`,
-`training.objective.pesq_model`) therefore aligns the estimate with the clean speech's factor and
+`training.losses.objective.pesq_model`) therefore aligns the estimate with the clean speech's factor and
 compensates nothing. The loss is
 0.1 d_sym + 0.0309 d_asym: 4.5 minus the raw score, lower is better. The constants are P.862's
 published tables for 16 kHz."""

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..layouts import audio_files
-from ..manifests import DataError
+from ..data.layouts import audio_files
+from ..data.manifests import DataError
 from .adapters import PEERS, TimEnhancer, make_peer, single_thread
 from .align import measure_delay
 from .pairs import SNR_PATTERN, find_pairs

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..layouts import paired_folders
-from ..manifests import DataError
+from ..data.layouts import paired_folders
+from ..data.manifests import DataError
 
 SNR_PATTERN = r"snr(-?\d+)"
 FILE_COLUMNS = ("file", "name", "noisy", "path")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..devnames import KINDS, kind_of
-from ..metrics import LABELS
+from ..evaluation.devnames import KINDS, kind_of
+from ..evaluation.metrics import LABELS
 from .score import METRICS, SCORE_RATE
 
 CSV_COLUMNS = ("peer", "file", "snr", "seconds", "enhance_seconds", "rtf", *METRICS, "error")

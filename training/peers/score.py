@@ -1,15 +1,15 @@
 """The one scorer of the peer benchmark: PESQ-WB, STOI, ESTOI and SI-SDR at 16 kHz.
 
 `score(enhanced, clean, sr)` is the only entry point; it checks the alignment, resamples to
-16 kHz and calls `training.metrics.intrusive`, the scorer of `enhancer-train eval`, so the
+16 kHz and calls `training.evaluation.metrics.intrusive`, the scorer of `enhancer-train eval`, so the
 benchmark and the evaluation of the model always agree.
 """
 from __future__ import annotations
 
 from enhancer.config import SAMPLE_RATE as SCORE_RATE
 
-from ..metrics import INTRUSIVE as METRICS
-from ..metrics import intrusive
+from ..evaluation.metrics import INTRUSIVE as METRICS
+from ..evaluation.metrics import intrusive
 from .align import as_mono, resample
 
 
