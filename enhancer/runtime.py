@@ -14,19 +14,19 @@ the same output. Per-stream state lives in a `LanePool`: batched cache arrays in
 """
 from __future__ import annotations
 
-import json
 import os
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .config import SAMPLE_RATE, ModelConfig
-from .devices import PROVIDERS
-from .errors import AudioError, CheckpointError
-from .step_io import STEP_FORMAT, StepOutputs, init_rings, init_states, input_names, output_names, write_rings
-from .signal import StreamResampler, check_audio, check_rate
+from .config import SAMPLE_RATE
+from .cursor import StepLog, StreamCursor
+from .engine import Engine, LanePool, StepResult, min_gain_for
+from .errors import CheckpointError
+from .signal import check_audio, check_rate
+
+__all__ = ["Enhancer", "StreamingEnhancer", "StreamCursor", "Engine", "LanePool", "StepResult", "min_gain_for",
+           "default_model_path", "OFFLINE_FRAMES", "DEFAULT_MODEL", "MODELS_DIR", "PACKAGE_MODELS_DIR", "MODEL_ENV"]
 
 PACKAGE_MODELS_DIR = Path(__file__).resolve().parent / "models"  # an installed wheel: enhancer/models/
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # a source checkout: models/ beside enhancer/
@@ -50,343 +50,97 @@ def default_model_path() -> Path:
     return next((p for p in candidates if p.is_file()), candidates[-1])
 
 
-def min_gain_for(atten_lim_db: float | None) -> float:
-    """Gain floor for an attenuation limit in dB (None or inf = no limit)."""
-    if atten_lim_db is None:
-        return 0.0
-    try:
-        db = float(atten_lim_db)
-    except (TypeError, ValueError):
-        raise AudioError(f"atten_lim_db must be a number of dB, got {atten_lim_db!r}") from None
-    if np.isnan(db) or db < 0:
-        raise AudioError(f"atten_lim_db must be >= 0 dB, got {atten_lim_db!r}")
-    return 0.0 if np.isinf(db) else float(10.0 ** (-db / 20.0))
-
-
-@dataclass
-class StepResult:
-    """One call's result for k lanes: (k, ...) for `LanePool.step`, (k, T, ...) for `LanePool.run`."""
-
-    out: np.ndarray  # (k, [T,] hop)
-    competition: np.ndarray | None  # (k, [T,] n_tim, n_s)
-    activity: np.ndarray  # (k, [T])
-
-
-class Engine:
-    """One onnxruntime session of a step graph, with the config read from the model's metadata."""
-
-    def __init__(self, path, providers=None, threads: int = 1):
-        import onnxruntime as ort
-
-        path = Path(path)
-        if not path.is_file():
-            raise CheckpointError(f"model file not found: {path}")
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
-        if providers is None:  # "auto"
-            avail = ort.get_available_providers()
-            providers = [p for p in PROVIDERS["cuda"] if p in avail]
-        try:
-            self.session = ort.InferenceSession(str(path), so, providers=list(providers))
-        except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
-            raise CheckpointError(f"{path}: cannot load model ({type(e).__name__}: {e})") from None
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if "tim_enhancer.config" not in meta:
-            raise CheckpointError(f"{path}: not a tim-enhancer step graph (no tim_enhancer.config metadata)")
-        if meta.get("tim_enhancer.step_format") != STEP_FORMAT:
-            raise CheckpointError(f"{path}: step graph format {meta.get('tim_enhancer.step_format', '1')!r}, this runtime "
-                                  f"needs {STEP_FORMAT!r}; re-export it from its checkpoint with `enhancer export CKPT -o MODEL`")
-        self.path = path
-        self.config = ModelConfig.from_dict(json.loads(meta["tim_enhancer.config"]))
-        self.metadata = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith("tim_enhancer.")}
-        got_in = [i.name for i in self.session.get_inputs()]
-        got_out = [o.name for o in self.session.get_outputs()]
-        if got_in != input_names(self.config) or sorted(got_out) != sorted(output_names(self.config)):
-            raise CheckpointError(f"{path}: graph inputs/outputs do not match its config {self.config.name!r}")
-        self.input_names, self.output_names = got_in, got_out
-
-    @property
-    def provider(self) -> str:
-        """The execution provider really in use (first of the session's list)."""
-        return self.session.get_providers()[0]
-
-    @property
-    def parameters(self) -> int:
-        return int(self.metadata.get("parameters", 0))
-
-    @property
-    def weights(self) -> str:
-        """How the weights are stored: fp32, fp16 (computed in float32) or int8 (8-bit dense layers)."""
-        return self.metadata.get("weights", "fp32 or fp16")
-
-    def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> StepOutputs:
-        """One graph call: hops (B, T, hop) for B streams whose first frame is at `pos` (B,); its
-        outputs decoded by the graph's output names."""
-        values = self.session.run(None, dict(zip(self.input_names, [hops, min_gain, pos, *caches])))
-        return StepOutputs.decode(self.config, values, self.output_names)
-
-
-class LanePool:
-    """Batched per-stream state: `capacity` lanes, each one channel of one stream."""
-
-    def __init__(self, engine: Engine, capacity: int):
-        self.engine, self.capacity = engine, capacity
-        cfg = engine.config
-        states = init_states(cfg, capacity)
-        # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
-        # are written with one assignment; each ring, and each lane range of it, is a contiguous view
-        # (np.zeros: pages of lanes never used are never touched, so they cost no memory)
-        self.rings = init_rings(cfg, capacity)
-        self.n_state = len(states)
-        self.caches = states + list(self.rings)
-        self.pos = np.zeros(capacity, dtype=np.int64)
-        self.free_lanes = list(range(capacity))
-        self.lock = threading.Lock()
-
-    def alloc(self, n: int) -> np.ndarray:
-        with self.lock:
-            if n > len(self.free_lanes):
-                raise RuntimeError(f"no free lanes: {n} requested, {len(self.free_lanes)} free of {self.capacity}")
-            self.free_lanes.sort()
-            lanes, self.free_lanes = self.free_lanes[:n], self.free_lanes[n:]
-        lanes = np.array(lanes, dtype=np.int64)
-        self.reset(lanes)
-        return lanes
-
-    def free(self, lanes) -> None:
-        with self.lock:
-            self.free_lanes.extend(int(x) for x in lanes)
-
-    @property
-    def n_free(self) -> int:
-        return len(self.free_lanes)
-
-    def reset(self, lanes: np.ndarray) -> None:
-        for c in self.caches:
-            c[lanes] = 0.0
-        self.pos[lanes] = 0
-
-    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
-        """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
-        r = self.run(lanes, hops[:, None], min_gain)
-        comp = None if r.competition is None else r.competition[:, 0]
-        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
-
-    def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
-        """Advance `lanes` (distinct) by T hops each in one call: hops (k, T, hop) -> out (k, T, hop),
-        the same as T calls of `step`. The call covers the lane range [min, max]; lanes in it that
-        are not stepping are computed but left untouched."""
-        eng = self.engine
-        lo, hi = int(lanes.min()), int(lanes.max()) + 1
-        idx = lanes - lo
-        if hi - lo == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
-            sel = slice(None)  # the lanes are the whole range, in order: plain views, no gathers
-            h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
-        else:
-            sel = idx
-            h = np.zeros((hi - lo,) + hops.shape[1:], dtype=np.float32)
-            g = np.zeros(hi - lo, dtype=np.float32)
-            h[idx], g[idx] = hops, min_gain
-        views = [c[lo:hi] for c in self.caches]  # contiguous views, no copies
-        pos = self.pos[lo:hi]
-        o = eng.run(h, g, pos.copy(), views)
-        write_rings(self.rings, o.kv_rows[sel], pos[sel], eng.config.attention_window, lanes)
-        for view, new in zip(views[:self.n_state], o.states):
-            view[sel] = new[sel]
-        pos[sel] += hops.shape[1]
-        comp = None if o.competition is None else o.competition[sel]
-        return StepResult(out=o.out[sel], competition=comp, activity=o.activity[sel])
-
-
 class StreamingEnhancer:
     """One audio stream (any rate, any channel count) through the step graph.
 
     `feed(pcm)` takes any number of samples, shape (n,) for mono or (n, channels), and returns the
     enhanced samples that are ready; `flush()` returns the rest, so that the total output has
     exactly as many samples as the total input, aligned sample for sample (the model's fixed delay
-    is removed). After `flush()` the stream is fresh again. `reset()` drops everything.
+    is removed). After `flush()` the stream is fresh again. `reset()` drops everything; `close()`
+    gives its lanes back to a shared pool.
 
     `feed` runs whatever input is ready in calls of up to `frames_per_call` hops (`OFFLINE_FRAMES`):
     a long block goes through at file speed, a 16 ms chunk as one live step; the output does not
-    depend on the chunking.
+    depend on the chunking. With `metadata=True`, `metadata.pop()` returns each step's
+    `StepFrame` (competition and activity) since the last pop.
 
-    For batched serving, `push()` / `ready_hops()` / `take_hop()` / `put_output()` / `pull()` split
-    `feed` so that a scheduler can step many streams in one call (`LanePool.step`); `take_hops(n)` /
-    `put_outputs()` do the same for a backlog of n hops of one stream in one call (`LanePool.run`).
+    A scheduler that steps many streams in one call drives a `StreamCursor` instead (`cursor`).
     """
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
                  metadata: bool = False, pool: LanePool | None = None):
-        self.engine, self.config = engine, engine.config
-        self.sample_rate = check_rate(sample_rate)
-        if not isinstance(channels, (int, np.integer)) or not 1 <= channels <= 64:
-            raise AudioError(f"channels must be an integer in 1..64, got {channels!r}")
-        self.channels = int(channels)
-        self.min_gain = min_gain_for(atten_lim_db)
-        self.metadata = metadata
-        self.pool = pool or LanePool(engine, self.channels)
-        self.lanes = self.pool.alloc(self.channels)
-        self.closed = False
+        self._cursor = StreamCursor(engine, sample_rate, channels, atten_lim_db, metadata, pool)
         self.frames_per_call = OFFLINE_FRAMES
-        self._init_buffers()
 
-    def _init_buffers(self) -> None:
-        sr, c, model_sr = self.sample_rate, self.channels, self.config.stft.sample_rate
-        self._rs_in = StreamResampler(sr, model_sr, c)
-        self._rs_out = StreamResampler(model_sr, sr, c)
-        self._pending = np.zeros((0, c), dtype=np.float32)  # 16 kHz input not yet stepped
-        self._to_drop = self.config.delay_samples  # leading output samples that are pure delay
-        self._ready = []  # 16 kHz output hops, (hop, c) each
-        self.n_in = 0  # samples fed, at the stream's rate
-        self.n_in_model = 0  # the same after resampling to 16 kHz
-        self.n_out = 0  # samples returned, at the stream's rate
-        self.frames = []  # metadata per step: (competition (c, n_tim, n_s) | None, activity (c,))
+    @property
+    def cursor(self) -> StreamCursor:
+        """This stream's cursor, for callers that step it in a batch with other streams."""
+        return self._cursor
 
-    # ------------------------------------------------------------------ simple interface
+    @property
+    def config(self):
+        return self._cursor.config
+
+    @property
+    def sample_rate(self) -> int:
+        return self._cursor.sample_rate
+
+    @property
+    def channels(self) -> int:
+        return self._cursor.channels
+
+    @property
+    def pool(self) -> LanePool:
+        return self._cursor.pool
+
+    @property
+    def lanes(self) -> np.ndarray:
+        """The pool lanes of this stream, one per channel."""
+        return self._cursor.lanes
+
+    @property
+    def closed(self) -> bool:
+        return self._cursor.closed
+
+    @property
+    def metadata(self) -> StepLog:
+        """Per-step metadata (with `metadata=True`): `metadata.pop()` returns the steps since the
+        last pop."""
+        return self._cursor.log
+
     def feed(self, pcm) -> np.ndarray:
-        self.push(pcm)
-        self._run_pending()
-        return self.pull()
+        """Enhance `pcm`; returns the enhanced samples that are ready (same shape convention)."""
+        c = self._cursor
+        c.push(pcm)
+        self._run_ready()
+        return self._shape(c.pull())
 
     def flush(self) -> np.ndarray:
         """Process the tail and return it; the stream then starts afresh."""
-        self.begin_flush()
-        self._run_pending()
-        result = self._shape(self.end_flush())
-        self.reset()
+        c = self._cursor
+        c.begin_flush()
+        self._run_ready()
+        result = self._shape(c.end_flush())
+        c.reset()
         return result
-
-    def begin_flush(self) -> None:
-        """First half of `flush` for a scheduler that runs the steps itself: drain the input
-        resampler and pad zeros so that the hops still to run cover every input sample plus the
-        model's delay (`ready_hops()` tells how many)."""
-        self._check_open()
-        self._append(self._rs_in.process(np.zeros((0, self.channels), np.float32), last=True))
-        hop = self.config.stft.hop
-        need = self.config.delay_samples + self.n_in_model  # stream samples covering every input sample
-        steps = -(-max(need - self._produced_model_samples(), 0) // hop)
-        missing = steps * hop - len(self._pending)
-        if missing > 0:
-            self._pending = np.concatenate([self._pending, np.zeros((missing, self.channels), np.float32)])
-
-    def end_flush(self) -> np.ndarray:
-        """Second half, once those hops have run: the tail as (n, channels), so that the total
-        output length equals the total input length. Does not reset the stream."""
-        out = self.pull(last=True)
-        remaining = self.n_in - self.n_out
-        if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
-            out = np.concatenate([out, np.zeros((remaining - out.shape[0], self.channels), np.float32)])
-        out = out[:max(remaining, 0)]
-        self.n_out += out.shape[0]
-        return out
 
     def reset(self) -> None:
         """Drop all state and buffered audio; the next `feed` starts a new stream."""
-        self._check_open()
-        self.pool.reset(self.lanes)
-        self._init_buffers()
+        self._cursor.reset()
 
     def close(self) -> None:
         """Give the lanes back to the pool (for pools shared by many streams)."""
-        if not self.closed:
-            self.pool.free(self.lanes)
-            self.closed = True
+        self._cursor.close()
 
-    def pop_metadata(self) -> list[dict]:
-        """Per-step metadata since the last call: competition (channels, n_tim, n_s) and activity."""
-        frames, self.frames = self.frames, []
-        return [{"competition": c, "activity": a} for c, a in frames]
-
-    # ------------------------------------------------------------------ split interface
-    def push(self, pcm, name: str = "pcm") -> None:
-        """Queue input audio; `name` is how errors refer to it."""
-        self._check_open()
-        a = np.asarray(pcm)
-        if a.size == 0 and a.ndim in (1, 2):
-            return
-        a = check_audio(a, name)
-        if a.ndim == 1:
-            a = a[:, None]
-        if a.shape[1] != self.channels:
-            raise AudioError(f"{name} has {a.shape[1]} channel(s), the stream was opened with {self.channels}")
-        self.n_in += a.shape[0]
-        self._append(self._rs_in.process(a))
-
-    def ready_hops(self) -> int:
-        return len(self._pending) // self.config.stft.hop
-
-    def take_hop(self) -> np.ndarray:
-        """The next input hop as (channels, hop)."""
-        hop = self.config.stft.hop
-        x, self._pending = self._pending[:hop], self._pending[hop:]
-        return np.ascontiguousarray(x.T)
-
-    def take_hops(self, n: int) -> np.ndarray:
-        """The next n input hops (n <= `ready_hops()`) as (channels, n, hop), for `LanePool.run`."""
-        hop = self.config.stft.hop
-        if not 0 < n <= self.ready_hops():
-            raise ValueError(f"take_hops({n}): {self.ready_hops()} hop(s) ready")
-        x, self._pending = self._pending[:n * hop], self._pending[n * hop:]
-        return np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
-
-    def put_output(self, out: np.ndarray, competition, activity) -> None:
-        """One step's result for this stream's lanes: out (channels, hop)."""
-        self._ready.append(out.T)
-        if self.metadata:
-            self.frames.append((competition, activity))
-
-    def put_outputs(self, out: np.ndarray, competition, activity) -> None:
-        """The result of `take_hops(n)` run in one call: out (channels, n, hop), competition
-        (channels, n, n_tim, n_s) or None, activity (channels, n) or None."""
-        self._ready.append(out.transpose(1, 2, 0).reshape(-1, self.channels))
-        if self.metadata:
-            for t in range(out.shape[1]):
-                self.frames.append((None if competition is None else competition[:, t],
-                                    None if activity is None else activity[:, t]))
-
-    def pull(self, last: bool = False) -> np.ndarray:
-        """Enhanced audio at the stream's rate that is ready, delay removed."""
-        if self._ready:
-            y = np.concatenate(self._ready)
-            self._ready = []
-        else:
-            y = np.zeros((0, self.channels), np.float32)
-        if self._to_drop:
-            d = min(self._to_drop, len(y))
-            y, self._to_drop = y[d:], self._to_drop - d
-        y = self._rs_out.process(y, last=last)
-        if last:
-            return y
-        y = y[: max(self.n_in - self.n_out, 0)]
-        self.n_out += y.shape[0]
-        return self._shape(y)
-
-    # ------------------------------------------------------------------ internals
-    def _append(self, x: np.ndarray) -> None:
-        if len(x):
-            self.n_in_model += len(x)
-            self._pending = np.concatenate([self._pending, x.astype(np.float32, copy=False)])
-
-    def _produced_model_samples(self) -> int:
-        return int(self.pool.pos[self.lanes[0]]) * self.config.stft.hop
-
-    def _run_pending(self) -> None:
-        g = np.full(self.channels, self.min_gain, np.float32)
-        while n := min(self.ready_hops(), self.frames_per_call):
-            r = self.pool.run(self.lanes, self.take_hops(n), g)
-            self.put_outputs(r.out, r.competition, r.activity)
+    def _run_ready(self) -> None:
+        c = self._cursor
+        while n := min(c.ready_hops(), self.frames_per_call):
+            r = c.pool.run(c.lanes, c.take_hops(n), c.gains)
+            c.put_outputs(r.out, r.competition, r.activity)
 
     def _shape(self, y: np.ndarray) -> np.ndarray:
         """(n, 1) -> (n,) for mono streams."""
-        return y[:, 0].copy() if self.channels == 1 else y
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("stream is closed")
+        return y[:, 0].copy() if self._cursor.channels == 1 else y
 
 
 class Enhancer:

@@ -18,6 +18,7 @@ MAX_RATE = 384000
 # Float audio is expected in about [-1, 1] (full scale). Finite samples far beyond it still break
 # the model: from about 1e17 its output overflows to NaN/Inf. The service uses the same bound.
 MAX_ABS_SAMPLE = 1e6
+MAX_CHANNELS = 64  # channels of one signal or stream (the service's max_channels is at most this)
 
 
 def sqrt_hann(n: int) -> np.ndarray:
@@ -91,7 +92,7 @@ def check_audio(audio: np.ndarray, name: str = "audio") -> np.ndarray:
         raise AudioError(f"{name}: empty audio (0 samples)")
     if a.ndim == 2 and a.shape[1] == 0:
         raise AudioError(f"{name}: 0 channels")
-    if a.ndim == 2 and a.shape[1] > 64:
+    if a.ndim == 2 and a.shape[1] > MAX_CHANNELS:
         raise AudioError(f"{name}: {a.shape[1]} channels; is the array transposed? expected (samples, channels)")
     a = to_float32(a)
     bad, peak = nonfinite_and_peak(a)

@@ -24,7 +24,8 @@ import time
 import numpy as np
 
 from enhancer.errors import AudioError
-from enhancer.runtime import OFFLINE_FRAMES, Enhancer, LanePool, StreamingEnhancer
+from enhancer.cursor import StreamCursor
+from enhancer.runtime import OFFLINE_FRAMES, Enhancer, LanePool
 
 from .commands import Close, Command, Delivery, End, Open, Push
 from .errors import ServiceError
@@ -44,7 +45,7 @@ class _Stream:
     __slots__ = ("job", "se", "gain", "acked", "flushing", "dirty", "steps", "frames", "ready_since", "live",
                  "arrivals", "hops_in", "first_arrival", "due", "behind", "skipped", "events")
 
-    def __init__(self, job: "Job", se: StreamingEnhancer):  # noqa: F821 - server.scheduler.Job
+    def __init__(self, job: "Job", se: StreamCursor):  # noqa: F821 - server.scheduler.Job
         self.job, self.se = job, se
         self.gain = np.full(se.channels, se.min_gain, np.float32)
         self.acked = 0
@@ -219,7 +220,7 @@ class Worker(threading.Thread):
     def _open(self, cmd: Open) -> None:
         job = cmd.job
         try:
-            se = StreamingEnhancer(self.enhancer.engine, job.sample_rate, job.channels, cmd.atten_lim_db, False,
+            se = StreamCursor(self.enhancer.engine, job.sample_rate, job.channels, cmd.atten_lim_db, False,
                                    self.pool)
         except Exception as e:  # noqa: BLE001 - reported to the client, the worker goes on
             self._fail(job, e)
@@ -247,8 +248,6 @@ class Worker(threading.Thread):
 
     def _end(self, st: "_Stream", cmd: End) -> None:
         st.se.begin_flush()
-        if st.skipped:
-            _trim_flush(st.se, st.skipped)
         st.flushing, st.dirty, st.acked = True, True, cmd.seq
         self._acks_due = True
 
@@ -399,19 +398,11 @@ class Worker(threading.Thread):
         if k < 1 or now - st.due_time(st.steps, self.hop_s) <= self.skip_s:
             return
         lateness = now - st.due_time(st.steps, self.hop_s)
-        for _ in range(k):
-            se.take_hop()
-        se.put_output(np.zeros((se.channels, k * self.hop), np.float32), None, None)
-        first = st.steps
+        start, samples = se.skip(k)
         st.steps += k
         st.skipped += k
         st.dirty = True
-        # output of skipped hops is zeros, and the model's delay line puts the audio before the gap
-        # after it: the output samples [first hop - delay, last skipped hop end) are not enhanced input
-        scale = st.job.sample_rate / self.model_rate
-        start = round(max(first * self.hop - self.delay, 0) * scale)
-        end = round((first + k) * self.hop * scale)
-        st.events.append({"type": "gap", "start_sample": start, "samples": end - start,
+        st.events.append({"type": "gap", "start_sample": start, "samples": samples,
                           "skipped_ms": round(1000 * k * self.hop_s, 1), "lateness_ms": round(1000 * lateness, 1)})
         self.metrics.skipped_hops.inc(k)
         self.metrics.gaps.inc()
@@ -495,7 +486,7 @@ class Worker(threading.Thread):
         if st.flushing:
             audio, final = se.end_flush(), True
         else:
-            audio, final = se.pull().reshape(-1, se.channels), False
+            audio, final = se.pull(), False
         frames, st.frames = st.frames, []
         events, st.events = st.events, []
         acked = st.acked if drained else 0
@@ -529,17 +520,6 @@ class Worker(threading.Thread):
                 loop.call_soon_threadsafe(_dispatch, batch)
             except RuntimeError:  # loop closed (shutdown): nobody is listening any more
                 pass
-
-
-def _trim_flush(se: StreamingEnhancer, skipped: int) -> None:
-    """After `begin_flush` of a stream that skipped hops: the flush pads for the hops the pool has
-    stepped, not for those skipped (whose output was already given); drop the padding hops that
-    would only make output past the input's end."""
-    hop = se.config.stft.hop
-    produced = (int(se.pool.pos[se.lanes[0]]) + skipped) * hop
-    need = -(-max(se.config.delay_samples + se.n_in_model - produced, 0) // hop)
-    if se.ready_hops() > need:
-        se._pending = se._pending[:need * hop]  # noqa: SLF001 - the padding is the tail of the pending input
 
 
 def _dispatch(batch) -> None:

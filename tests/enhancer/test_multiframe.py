@@ -67,38 +67,39 @@ def test_enhance_runs_multi_frame_calls_and_matches_live_steps(enhancer_rt, monk
 
 
 def test_backlog_in_one_call_equals_hop_by_hop(enhancer_rt):
-    """The runtime API for a stream that fell behind: take_hops(k) -> LanePool.run -> put_outputs,
+    """The cursor API for a stream that fell behind: take_hops(k) -> LanePool.run -> put_outputs,
     with per-hop metadata, gives what k live steps give."""
     pool = LanePool(enhancer_rt.engine, 4)
     a = enhancer_rt.stream(16000, 2, metadata=True, pool=pool)
     b = enhancer_rt.stream(16000, 2, metadata=True, pool=pool)
+    ca, cb = a.cursor, b.cursor
     x = speechlike(40 * 256, seed=4, channels=2)
-    a.push(x)
-    b.push(x)
+    ca.push(x)
+    cb.push(x)
     g = np.zeros(2, np.float32)
-    while a.ready_hops():
-        r = pool.step(a.lanes, a.take_hop(), g)
-        a.put_output(r.out, r.competition, r.activity)
-    backlog = b.ready_hops()
+    while ca.ready_hops():
+        r = pool.step(a.lanes, ca.take_hop(), g)
+        ca.put_output(r.out, r.competition, r.activity)
+    backlog = cb.ready_hops()
     assert backlog == 40
-    r = pool.run(b.lanes, b.take_hops(backlog), g)
+    r = pool.run(b.lanes, cb.take_hops(backlog), g)
     assert r.out.shape == (2, backlog, 256) and r.activity.shape == (2, backlog)
-    b.put_outputs(r.out, r.competition, r.activity)
-    assert b.ready_hops() == 0 and pool.pos[b.lanes].tolist() == [backlog] * 2
-    ya, yb = a.pull(), b.pull()
+    cb.put_outputs(r.out, r.competition, r.activity)
+    assert cb.ready_hops() == 0 and pool.pos[b.lanes].tolist() == [backlog] * 2
+    ya, yb = ca.pull(), cb.pull()
     assert yb.shape == ya.shape
     assert np.abs(yb - ya).max() <= 1e-4 * np.abs(ya).max()
-    ma, mb = a.pop_metadata(), b.pop_metadata()
+    ma, mb = a.metadata.pop(), b.metadata.pop()
     assert len(ma) == len(mb) == backlog
     for fa, fb in zip(ma, mb):
-        assert fb["competition"].shape == fa["competition"].shape == (2, 5, 2)
-        np.testing.assert_allclose(fb["activity"], fa["activity"], rtol=1e-4)
+        assert fb.competition.shape == fa.competition.shape == (2, 5, 2)
+        np.testing.assert_allclose(fb.activity, fa.activity, rtol=1e-4)
     # the streams go on hop by hop from where the backlog left them
     tail = speechlike(5000, seed=5, channels=2)
     np.testing.assert_allclose(np.concatenate([b.feed(tail), b.flush()]), np.concatenate([a.feed(tail), a.flush()]),
                                atol=1e-4 * np.abs(ya).max())
     with pytest.raises(ValueError, match="hop"):
-        a.take_hops(1)
+        ca.take_hops(1)
 
 
 def test_fp16_weights_multi_frame_equals_live_and_torch(torch_model, tmp_path):

@@ -190,20 +190,21 @@ def test_lane_pool_batches_streams_independently(enhancer_rt):
     spacer = pool.alloc(1)  # lane 1: idle, inside the range of a joint step
     b = enhancer_rt.stream(16000, 2, pool=pool)  # lanes 2, 3
     xa, xb = speechlike(6000, seed=1), speechlike(6000, seed=2, channels=2)
-    a.push(xa)
-    b.push(xb)
+    ca, cb = a.cursor, b.cursor  # what a scheduler drives
+    ca.push(xa)
+    cb.push(xb)
     # step b's lanes alone for a few hops, then a and b together (non-contiguous lane sets)
     for _ in range(3):
-        r = pool.step(b.lanes, b.take_hop(), np.zeros(2, np.float32))
-        b.put_output(r.out, r.competition, r.activity)
-    while a.ready_hops() and b.ready_hops():
+        r = pool.step(b.lanes, cb.take_hop(), np.zeros(2, np.float32))
+        cb.put_output(r.out, r.competition, r.activity)
+    while ca.ready_hops() and cb.ready_hops():
         lanes = np.concatenate([a.lanes, b.lanes])
-        hops = np.concatenate([a.take_hop(), b.take_hop()])
+        hops = np.concatenate([ca.take_hop(), cb.take_hop()])
         r = pool.step(lanes, hops, np.zeros(3, np.float32))
-        a.put_output(r.out[:1], None, None)
-        b.put_output(r.out[1:], None, None)
-    ya = np.concatenate([a.pull(), a.flush()])
-    yb = np.concatenate([b.pull(), b.flush()])
+        ca.put_output(r.out[:1], None, None)
+        cb.put_output(r.out[1:], None, None)
+    ya = np.concatenate([ca.pull()[:, 0], a.flush()])
+    yb = np.concatenate([cb.pull(), b.flush()])
     assert_close_to_peak(ya, enhancer_rt.enhance(xa, 16000))
     assert_close_to_peak(yb, enhancer_rt.enhance(xb, 16000))
     assert pool.pos[spacer[0]] == 0 and not pool.caches[0][spacer[0]].any()  # idle lane untouched
@@ -216,13 +217,13 @@ def test_lane_pool_batches_streams_independently(enhancer_rt):
 def test_metadata_per_step(enhancer_rt):
     s = enhancer_rt.stream(metadata=True)
     s.feed(speechlike(256 * 10))
-    meta = s.pop_metadata()
+    meta = s.metadata.pop()
     assert len(meta) == 10
-    comp = meta[0]["competition"]
+    comp = meta[0].competition
     assert comp.shape == (1, 5, 2)
     np.testing.assert_allclose(comp.sum(-1), 1.0, atol=1e-5)
-    assert 0.0 < float(meta[0]["activity"][0]) < 1.0
-    assert s.pop_metadata() == []
+    assert 0.0 < float(meta[0].activity[0]) < 1.0
+    assert s.metadata.pop() == []
 
 
 def test_model_of_another_step_format_is_refused(model_path, tmp_path):
@@ -258,9 +259,9 @@ def test_outputs_are_read_by_name_whatever_their_order_in_the_graph(model_path, 
     np.testing.assert_array_equal(other.enhance(x, 16000), enhancer_rt.enhance(x, 16000))
     a, b = other.stream(metadata=True), enhancer_rt.stream(metadata=True)
     a.feed(x[:4000]), b.feed(x[:4000])
-    for ma, mb in zip(a.pop_metadata(), b.pop_metadata(), strict=True):
-        np.testing.assert_array_equal(ma["competition"], mb["competition"])
-        np.testing.assert_array_equal(ma["activity"], mb["activity"])
+    for ma, mb in zip(a.metadata.pop(), b.metadata.pop(), strict=True):
+        np.testing.assert_array_equal(ma.competition, mb.competition)
+        np.testing.assert_array_equal(ma.activity, mb.activity)
 
 
 def test_step_outputs_decode_by_name():

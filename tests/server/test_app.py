@@ -127,11 +127,12 @@ def test_split_flush_matches_streaming_flush(enhancer_rt):
     try:
         ya = np.concatenate([a.feed(x[:20000]), a.feed(x[20000:]), a.flush()])
         parts = [b.feed(x[:20000]), b.feed(x[20000:])]
-        b.begin_flush()
-        while n := b.ready_hops():  # the tail in one multi-frame call, as the scheduler runs it
-            r = b.pool.run(b.lanes, b.take_hops(n), np.zeros(2, np.float32))
-            b.put_outputs(r.out, r.competition, r.activity)
-        parts.append(b.end_flush())
+        cb = b.cursor
+        cb.begin_flush()
+        while n := cb.ready_hops():  # the tail in one multi-frame call, as the scheduler runs it
+            r = b.pool.run(b.lanes, cb.take_hops(n), np.zeros(2, np.float32))
+            cb.put_outputs(r.out, r.competition, r.activity)
+        parts.append(cb.end_flush())
         yb = np.concatenate(parts)
     finally:
         a.close()

@@ -1,0 +1,169 @@
+"""The step graph on onnxruntime: `Engine` (one session, its config read from the model's
+metadata) and `LanePool` (batched per-stream state in which each stream channel owns a lane; one
+call steps any set of lanes by one hop, `step`, or by T hops, `run`). Never imports torch.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .devices import PROVIDERS
+from .errors import AudioError, CheckpointError
+from .step_io import STEP_FORMAT, StepOutputs, init_rings, init_states, input_names, output_names, write_rings
+
+
+def min_gain_for(atten_lim_db: float | None) -> float:
+    """Gain floor for an attenuation limit in dB (None or inf = no limit)."""
+    if atten_lim_db is None:
+        return 0.0
+    try:
+        db = float(atten_lim_db)
+    except (TypeError, ValueError):
+        raise AudioError(f"atten_lim_db must be a number of dB, got {atten_lim_db!r}") from None
+    if np.isnan(db) or db < 0:
+        raise AudioError(f"atten_lim_db must be >= 0 dB, got {atten_lim_db!r}")
+    return 0.0 if np.isinf(db) else float(10.0 ** (-db / 20.0))
+
+
+@dataclass
+class StepResult:
+    """One call's result for k lanes: (k, ...) for `LanePool.step`, (k, T, ...) for `LanePool.run`."""
+
+    out: np.ndarray  # (k, [T,] hop)
+    competition: np.ndarray | None  # (k, [T,] n_tim, n_s)
+    activity: np.ndarray  # (k, [T])
+
+
+class Engine:
+    """One onnxruntime session of a step graph, with the config read from the model's metadata."""
+
+    def __init__(self, path, providers=None, threads: int = 1):
+        import onnxruntime as ort
+
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"model file not found: {path}")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        if providers is None:  # "auto"
+            avail = ort.get_available_providers()
+            providers = [p for p in PROVIDERS["cuda"] if p in avail]
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=list(providers))
+        except Exception as e:  # onnxruntime raises several unrelated types
+            raise CheckpointError(f"{path}: cannot load model ({type(e).__name__}: {e})") from None
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if "tim_enhancer.config" not in meta:
+            raise CheckpointError(f"{path}: not a tim-enhancer step graph (no tim_enhancer.config metadata)")
+        if meta.get("tim_enhancer.step_format") != STEP_FORMAT:
+            raise CheckpointError(f"{path}: step graph format {meta.get('tim_enhancer.step_format', '1')!r}, this runtime "
+                                  f"needs {STEP_FORMAT!r}; re-export it from its checkpoint with `enhancer export CKPT -o MODEL`")
+        self.path = path
+        self.config = ModelConfig.from_dict(json.loads(meta["tim_enhancer.config"]))
+        self.metadata = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith("tim_enhancer.")}
+        got_in = [i.name for i in self.session.get_inputs()]
+        got_out = [o.name for o in self.session.get_outputs()]
+        if got_in != input_names(self.config) or sorted(got_out) != sorted(output_names(self.config)):
+            raise CheckpointError(f"{path}: graph inputs/outputs do not match its config {self.config.name!r}")
+        self.input_names, self.output_names = got_in, got_out
+
+    @property
+    def provider(self) -> str:
+        """The execution provider really in use (first of the session's list)."""
+        return self.session.get_providers()[0]
+
+    @property
+    def parameters(self) -> int:
+        return int(self.metadata.get("parameters", 0))
+
+    @property
+    def weights(self) -> str:
+        """How the weights are stored: fp32, fp16 (computed in float32) or int8 (8-bit dense layers)."""
+        return self.metadata.get("weights", "fp32 or fp16")
+
+    def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> StepOutputs:
+        """One graph call: hops (B, T, hop) for B streams whose first frame is at `pos` (B,); its
+        outputs decoded by the graph's output names."""
+        values = self.session.run(None, dict(zip(self.input_names, [hops, min_gain, pos, *caches])))
+        return StepOutputs.decode(self.config, values, self.output_names)
+
+
+class LanePool:
+    """Batched per-stream state: `capacity` lanes, each one channel of one stream."""
+
+    def __init__(self, engine: Engine, capacity: int):
+        self.engine, self.capacity = engine, capacity
+        cfg = engine.config
+        states = init_states(cfg, capacity)
+        # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
+        # are written with one assignment; each ring, and each lane range of it, is a contiguous view
+        # (np.zeros: pages of lanes never used are never touched, so they cost no memory)
+        self.rings = init_rings(cfg, capacity)
+        self.n_state = len(states)
+        self.caches = states + list(self.rings)
+        self.pos = np.zeros(capacity, dtype=np.int64)
+        self.free_lanes = list(range(capacity))
+        self.lock = threading.Lock()
+
+    def alloc(self, n: int) -> np.ndarray:
+        with self.lock:
+            if n > len(self.free_lanes):
+                raise RuntimeError(f"no free lanes: {n} requested, {len(self.free_lanes)} free of {self.capacity}")
+            self.free_lanes.sort()
+            lanes, self.free_lanes = self.free_lanes[:n], self.free_lanes[n:]
+        lanes = np.array(lanes, dtype=np.int64)
+        self.reset(lanes)
+        return lanes
+
+    def free(self, lanes) -> None:
+        with self.lock:
+            self.free_lanes.extend(int(x) for x in lanes)
+
+    @property
+    def n_free(self) -> int:
+        return len(self.free_lanes)
+
+    def reset(self, lanes: np.ndarray) -> None:
+        for c in self.caches:
+            c[lanes] = 0.0
+        self.pos[lanes] = 0
+
+    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
+        r = self.run(lanes, hops[:, None], min_gain)
+        comp = None if r.competition is None else r.competition[:, 0]
+        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
+
+    def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        """Advance `lanes` (distinct) by T hops each in one call: hops (k, T, hop) -> out (k, T, hop),
+        the same as T calls of `step`. The call covers the lane range [min, max]; lanes in it that
+        are not stepping are computed but left untouched."""
+        eng = self.engine
+        lo, hi = int(lanes.min()), int(lanes.max()) + 1
+        idx = lanes - lo
+        if hi - lo == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
+            sel = slice(None)  # the lanes are the whole range, in order: plain views, no gathers
+            h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
+        else:
+            sel = idx
+            h = np.zeros((hi - lo,) + hops.shape[1:], dtype=np.float32)
+            g = np.zeros(hi - lo, dtype=np.float32)
+            h[idx], g[idx] = hops, min_gain
+        views = [c[lo:hi] for c in self.caches]  # contiguous views, no copies
+        pos = self.pos[lo:hi]
+        o = eng.run(h, g, pos.copy(), views)
+        write_rings(self.rings, o.kv_rows[sel], pos[sel], eng.config.attention_window, lanes)
+        for view, new in zip(views[:self.n_state], o.states):
+            view[sel] = new[sel]
+        pos[sel] += hops.shape[1]
+        comp = None if o.competition is None else o.competition[sel]
+        return StepResult(out=o.out[sel], competition=comp, activity=o.activity[sel])
