@@ -14,14 +14,18 @@ import tempfile
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from .devices import DEVICES, providers_for
+from .devices import DEVICES, check_device, providers_for
 from .errors import EnhancerError
+from .version import __version__
+
+THREADS = 1  # onnxruntime intra-op threads of the command line's session (the service's too)
 
 
 def _enhancer(model: str | None, device: str = "auto", preset: str | None = None, int8: bool = False):
     from .runtime import Enhancer
 
     providers = providers_for(device)
+    check_device(device)  # `cuda` without CUDA is an error, as in `enhancer serve`, not a silent CPU run
     if preset:  # random weights, for speed measurements of a preset without a trained model (needs torch)
         from . import ModelConfig, build_model
         from .export import export_step
@@ -31,7 +35,33 @@ def _enhancer(model: str | None, device: str = "auto", preset: str | None = None
               flush=True)
         export_step(build_model(ModelConfig.preset(preset)).eval(), path, check=False, int8_weights=int8)
         model = str(path)
-    return Enhancer.from_pretrained(model, providers=providers)
+    enh = Enhancer.from_pretrained(model, providers=providers, threads=THREADS)
+    check_device(device, enh.provider)  # CUDA listed but failed to start: refuse too
+    return enh
+
+
+def output_paths(inputs: list[str], files: list[tuple[Path, Path]], output: str, fmt: str | None) -> list[Path]:
+    """Where each input file goes. One input file: `output` itself, unless it is a folder (an
+    existing one, or a name without extension); several inputs or a folder: `output` must be a
+    folder, and the files keep their paths below their input (the extension of `fmt` if given)."""
+    from .audio_io import audio_extensions
+
+    out = Path(output)
+    rels = [rel.with_suffix(f".{fmt}") if fmt else rel for _, rel in files]
+    if len(inputs) == 1 and Path(inputs[0]).is_file():
+        return [out / rels[0] if out.is_dir() or not out.suffix else out]
+    if out.exists() and not out.is_dir():
+        raise EnhancerError(f"-o {out} is a file; with several inputs (or a folder) -o must be a folder")
+    if not out.exists() and out.suffix.lower() in audio_extensions():
+        raise EnhancerError(f"-o {out} names a file; with several inputs (or a folder) -o must be a folder "
+                            f"(it is created if missing)")
+    dsts = [out / rel for rel in rels]
+    seen: dict[Path, Path] = {}
+    for (src, _), dst in zip(files, dsts):
+        if dst in seen:
+            raise EnhancerError(f"{seen[dst]} and {src} would both be written to {dst}; denoise them separately")
+        seen[dst] = src
+    return dsts
 
 
 def cmd_denoise(a) -> int:
@@ -39,12 +69,11 @@ def cmd_denoise(a) -> int:
 
     from .audio_io import enhance_file, find_audio
 
-    enh = _enhancer(a.model, a.device)
     files = find_audio([Path(p) for p in a.inputs])
     if not files:
         raise EnhancerError("no audio files found in the inputs")
-    out = Path(a.output)
-    single_file = len(a.inputs) == 1 and Path(a.inputs[0]).is_file() and out.suffix and not out.is_dir()
+    dsts = output_paths(a.inputs, files, a.output, a.format)  # before loading the model: usage errors first
+    enh = _enhancer(a.model, a.device)
     import soundfile as sf
 
     total = 0
@@ -55,16 +84,16 @@ def cmd_denoise(a) -> int:
             pass
     failed = 0
     with tqdm(total=total, unit="sample", unit_scale=True, disable=a.quiet, desc="denoise") as bar:
-        for src, rel in files:
-            dst = out if single_file else out / rel
+        for (src, _), dst in zip(files, dsts):
             try:
-                enhance_file(enh, src, dst, a.atten_lim_db, progress=bar.update)
+                enhance_file(enh, src, dst, a.atten_lim_db, progress=bar.update, format=a.format)
             except EnhancerError as e:
                 failed += 1
                 tqdm.write(f"error: {e}", file=sys.stderr)
     n_ok = len(files) - failed
     if not a.quiet:
-        print(f"{n_ok} file(s) written to {out}" + (f", {failed} failed" if failed else ""), file=sys.stderr)
+        where = dsts[0] if len(dsts) == 1 else Path(a.output)
+        print(f"{n_ok} file(s) written to {where}" + (f", {failed} failed" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -96,6 +125,7 @@ def cmd_export(a) -> int:
 
 def cmd_info(a) -> int:
     path = Path(a.model) if a.model else None
+    exported_with = None  # the package version that wrote an .onnx model (its metadata), for people
     if path is not None and path.suffix in (".pt", ".ckpt", ".pth"):
         from .checkpoint import load_checkpoint
         from .model import count_parameters
@@ -112,13 +142,44 @@ def cmd_info(a) -> int:
         enh = _enhancer(a.model)
         cfg, params, extra = enh.config, enh.engine.parameters, {"provider": enh.provider, "file": str(enh.engine.path),
                                                        "weights": enh.engine.weights}
+        exported_with = enh.engine.metadata.get("version")
     info = {
         "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
         "stream_delay_samples_16k": cfg.delay_samples, "lookahead_frames": cfg.lookahead,
         "attention_window_frames": cfg.attention_window, **extra, "config": cfg.to_dict(),
     }
-    print(json.dumps(info, indent=2))
+    if a.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(info_summary(info, cfg, exported_with))
     return 0
+
+
+def info_summary(info: dict, cfg, exported_with: str | None = None) -> str:
+    """`enhancer info` for people: what the JSON (`--json`) says, in a few lines."""
+    st = cfg.stft
+    ms = 1000.0 / st.sample_rate
+    rows = [("model", f"{info['preset']}, {info['parameters'] / 1e6:.2f} M parameters"
+                      + (f", {info['weights']} weights" if info.get("weights") else "")),
+            ("file", info.get("file")),
+            ("sample rate", f"{st.sample_rate} Hz (other rates are resampled)"),
+            ("latency", f"{info['algorithmic_latency_ms']:g} ms algorithmic (window {st.n_fft * ms:g} ms + lookahead "
+                        f"{info['lookahead_frames']} x {st.hop * ms:g} ms hops); stream delay "
+                        f"{info['stream_delay_samples_16k']} samples at {st.sample_rate // 1000} kHz"),
+            ("frame / hop", f"{st.n_fft} / {st.hop} samples ({st.n_fft * ms:g} / {st.hop * ms:g} ms)"),
+            ("attention", f"{info['attention_window_frames']} frames ({info['attention_window_frames'] * st.hop * ms / 1000:g} s)")]
+    if info.get("provider"):
+        from .devices import available_providers
+
+        rows += [("provider", f"{info['provider']} (available: {', '.join(available_providers())})"),
+                 ("threads", f"{THREADS} onnxruntime intra-op thread(s) per session")]
+    versions = info.get("versions") or {}
+    if exported_with:
+        versions = {"tim-enhancer": exported_with}
+    written = ", ".join(f"{k} {v}" for k, v in versions.items())
+    rows.append(("version", f"tim-enhancer {__version__}" + (f" (the model was written by {written})" if written else "")))
+    width = max(len(k) for k, v in rows if v)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows if v) + "\n(--json for every field)"
 
 
 def cmd_bench(a) -> int:
@@ -133,22 +194,57 @@ def cmd_bench(a) -> int:
                       steps=a.steps)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="enhancer", description="Real-time speech enhancement (TIM).")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def version_text() -> str:
+    """`enhancer --version`: the package, and the shipped (or $TIM_ENHANCER_MODEL) model when it loads."""
+    text = f"enhancer {__version__} (tim-enhancer)"
+    try:
+        from .runtime import Engine, default_model_path
 
-    d = sub.add_parser("denoise", help="enhance audio files or folders")
+        engine = Engine(default_model_path(), ["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - no model (or no onnxruntime) here: the package version alone
+        return text
+    exported = engine.metadata.get("version")
+    return (f"{text}\nmodel {engine.path.name}: {engine.config.name}, {engine.weights} weights"
+            + (f", exported by tim-enhancer {exported}" if exported else ""))
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .audio_io import OUTPUT_FORMATS
+
+    p = argparse.ArgumentParser(prog="enhancer", description="Real-time speech enhancement (TIM).")
+    p.add_argument("-V", "--version", action=_Version, help="print the version (and the shipped model's) and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    devices = "auto: CUDA when this onnxruntime has it, else CPU; cuda: fail unless CUDA runs it"
+
+    d = sub.add_parser("denoise", help="enhance audio files or folders",
+                       description="Enhance audio files or folders. The output keeps the input's sample rate, "
+                                   "channels and length; its container follows the output's extension (or --format).")
     d.add_argument("inputs", nargs="+", help="audio files or folders (any format libsndfile reads)")
-    d.add_argument("-o", "--output", required=True, help="output file (one input file) or folder")
+    d.add_argument("-o", "--output", required=True,
+                   help="output file (one input file; its extension picks the format: "
+                        f"{', '.join('.' + k for k in OUTPUT_FORMATS)} or the input's own) or folder "
+                        "(several inputs or a folder: created if missing)")
+    d.add_argument("--format", choices=list(OUTPUT_FORMATS), default=None,
+                   help="output container (as REST's format): default from the output's extension, or the "
+                        "input's; into a folder, files get this extension")
     d.add_argument("--atten-lim-db", type=float, default=None, help="limit noise attenuation to this many dB")
     d.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
-    d.add_argument("--device", choices=DEVICES, default="auto")
-    d.add_argument("-q", "--quiet", action="store_true")
+    d.add_argument("--device", choices=DEVICES, default="auto", help=f"where to run the model ({devices})")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary on stderr (errors still)")
     d.set_defaults(fn=cmd_denoise)
 
     e = sub.add_parser("export", help="export a checkpoint's streaming step graph to ONNX")
-    e.add_argument("checkpoint")
-    e.add_argument("-o", "--output", required=True)
+    e.add_argument("checkpoint", help="torch checkpoint (.pt) to export")
+    e.add_argument("-o", "--output", required=True, help="the .onnx file to write")
     e.add_argument("--no-check", action="store_true", help="skip onnx.checker and the onnxruntime/torch comparison")
     e.add_argument("--fp16", action="store_true", help="store weights as float16 (half the size; computed in float32)")
     e.add_argument("--int8", action="store_true",
@@ -159,18 +255,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the exported weights as a torch checkpoint without training state")
     e.set_defaults(fn=cmd_export)
 
-    i = sub.add_parser("info", help="config, parameters and latency of a model")
+    i = sub.add_parser("info", help="model, sample rate, latency, frame/hop, provider and version of a model")
     i.add_argument("model", nargs="?", default=None, help=".onnx or checkpoint (default: the shipped model)")
     i.add_argument("--preset", default=None, help="describe a preset instead of a file (needs torch)")
+    i.add_argument("--json", action="store_true", help="print every field as JSON (for scripts) instead of a summary")
     i.set_defaults(fn=cmd_info)
 
     b = sub.add_parser("bench", help="step latency, throughput, real-time factor, memory")
-    b.add_argument("--model", default=None)
+    b.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
-    b.add_argument("--device", choices=DEVICES, default="auto")
-    b.add_argument("--steps", type=int, default=300)
+    b.add_argument("--device", choices=DEVICES, default="auto", help="where to run the model (auto: the CPU here)")
+    b.add_argument("--steps", type=int, default=300, help="timed steps per batch size")
     b.add_argument("--int8", action="store_true", help="with --preset: export it with 8-bit weights (export --int8)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print the results as JSON (progress stays on stderr)")
     b.set_defaults(fn=cmd_bench)
     add_plugin_commands(sub)
     return p
@@ -206,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return a.fn(a)
-    except (EnhancerError, FileNotFoundError) as e:
+    except (EnhancerError, OSError) as e:  # bad input or usage, unwritable output: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

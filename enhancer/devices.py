@@ -18,3 +18,28 @@ def providers_for(device: str) -> list[str] | None:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     providers = PROVIDERS[device]
     return None if providers is None else list(providers)
+
+
+def available_providers() -> list[str]:
+    """The execution providers this onnxruntime build offers."""
+    import onnxruntime as ort
+
+    return list(ort.get_available_providers())
+
+
+def check_device(device: str, used: str | None = None) -> None:
+    """`DeviceError` when `device` cannot be honoured here instead of a silent fall-back to the CPU:
+    "cuda" with an onnxruntime without CUDAExecutionProvider, or (`used`: the provider a loaded
+    session really runs on) a CUDA provider that failed to start. The command line and the service
+    refuse with this same message."""
+    from .errors import DeviceError
+
+    providers_for(device)  # a known name
+    if device != "cuda":
+        return
+    if "CUDAExecutionProvider" not in available_providers():
+        raise DeviceError("device 'cuda' requested but onnxruntime has no CUDAExecutionProvider "
+                          "(install the [gpu] extra on a machine with CUDA)")
+    if used is not None and used != "CUDAExecutionProvider":
+        raise DeviceError(f"device 'cuda' requested but the model runs on {used}: onnxruntime could not start "
+                          "CUDA here (driver, libraries or GPU missing); use --device cpu or auto")

@@ -13,10 +13,11 @@ from enhancer.devices import DEVICES
 def add_serve(sub) -> argparse.ArgumentParser:
     """Add `serve` to the `enhancer` command's sub-parsers (`sub`)."""
     s = sub.add_parser("serve", help="run the REST + websocket service")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default=None)
-    s.add_argument("--device", choices=DEVICES, default="auto")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
+    s.add_argument("--device", choices=DEVICES, default="auto", help="where to run the model (auto: CUDA when "
+                   "this onnxruntime has it, else CPU; cuda: refuse to start without it)")
     s.add_argument("--workers", type=int, default=1, help="inference workers (one onnxruntime session each)")
     s.add_argument("--max-streams", type=int, default=64, help="upper bound of live streams (the measured capacity "
                    "admits at most this many)")

@@ -30,7 +30,7 @@ def test_export_every_variant_matches_torch(tmp_path, preset, capsys):
 
 
 def test_info_reads_the_onnx_metadata(model_path, capsys):
-    assert main(["info", str(model_path)]) == 0
+    assert main(["info", str(model_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["preset"] == "tim" and info["algorithmic_latency_ms"] == 64.0
     assert info["parameters"] == 6987947 and info["provider"] == "CPUExecutionProvider"
@@ -70,7 +70,7 @@ def test_denoise_folder_and_bad_files(tmp_path, model_path, capsys):
     assert sf.info(out / "a.wav").frames == 5000
     assert sf.info(out / "sub" / "b.flac").frames == 7000
     assert not (out / "broken.wav").exists() and not list(out.rglob("*.part"))
-    assert "broken.wav: not readable audio" in capsys.readouterr().err
+    assert "broken.wav: the audio file is malformed or truncated" in capsys.readouterr().err
 
 
 def test_denoise_missing_input(tmp_path, model_path, capsys):
@@ -173,3 +173,205 @@ def test_commands_of_other_packages_come_from_entry_points(monkeypatch, capsys):
     assert main(["broken", "--anything"]) == 2
     assert "`enhancer broken` cannot run here: ImportError: No module named 'uvicorn'" in capsys.readouterr().err
     assert "serve" in cli.build_parser().format_help()
+
+
+# ---------------------------------------------------------------------------- the command line's contract (issue 43)
+def _tone(path, n=6000, sr=16000, **kw):
+    sf.write(path, speechlike(n, sr=sr), sr, **kw)
+    return path
+
+
+def test_denoise_output_format_follows_the_extension_or_format(tmp_path, model_path, capsys):
+    """`-o y.mp3` writes MP3 (not WAV bytes under an .mp3 name); --format picks the container as
+    REST's `format` does and must agree with a file name; an unknown extension lists the known ones."""
+    src = _tone(tmp_path / "in.wav")
+    for ext, fmt in [("mp3", "MP3"), ("flac", "FLAC"), ("ogg", "OGG"), ("wav", "WAV")]:
+        dst = tmp_path / f"y.{ext}"
+        assert main(["denoise", str(src), "-o", str(dst), "--model", str(model_path), "-q"]) == 0
+        info = sf.info(dst)
+        assert info.format == fmt and info.samplerate == 16000 and info.channels == 1
+        assert abs(info.frames - 6000) <= (2 * 1152 if fmt == "MP3" else 0)
+    assert sf.info(tmp_path / "y.flac").subtype == "PCM_16"  # the input's subtype where the container allows it
+    _tone(tmp_path / "in.aiff", format="AIFF")  # a container outside REST's list: only as the input's own
+    assert main(["denoise", str(tmp_path / "in.aiff"), "-o", str(tmp_path / "y.aiff"), "--model", str(model_path),
+                 "-q"]) == 0
+    assert sf.info(tmp_path / "y.aiff").format == "AIFF"
+    capsys.readouterr()
+
+    assert main(["denoise", str(src), "-o", str(tmp_path / "y.xyz"), "--model", str(model_path), "-q"]) != 0
+    err = capsys.readouterr().err
+    assert "cannot tell the output format from the extension .xyz; use one of .wav, .flac, .ogg, .mp3" in err
+    assert not (tmp_path / "y.xyz").exists() and not list(tmp_path.glob("*.part"))
+    assert main(["denoise", str(src), "-o", str(tmp_path / "z.wav"), "--format", "flac", "--model",
+                 str(model_path), "-q"]) != 0
+    assert "the extension .wav does not match the format asked for (flac)" in capsys.readouterr().err
+    assert not (tmp_path / "z.wav").exists()
+    assert main(["denoise", str(src), "-o", str(tmp_path / "z.flac"), "--format", "flac", "--model",
+                 str(model_path), "-q"]) == 0
+    assert sf.info(tmp_path / "z.flac").format == "FLAC"
+    with pytest.raises(SystemExit):  # not one of REST's formats: argparse refuses it
+        main(["denoise", str(src), "-o", str(tmp_path / "z.aiff"), "--format", "aiff"])
+    # into a folder: --format gives every file its container and extension
+    (tmp_path / "many").mkdir()
+    _tone(tmp_path / "many" / "a.wav")
+    _tone(tmp_path / "many" / "b.flac", format="FLAC")
+    assert main(["denoise", str(tmp_path / "many"), "-o", str(tmp_path / "out"), "--format", "ogg",
+                 "--model", str(model_path), "-q"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a.ogg", "b.ogg"]
+    assert {sf.info(p).format for p in (tmp_path / "out").iterdir()} == {"OGG"}
+
+
+def _broken_inputs(tmp_path):
+    """Files REST refuses with 4xx (file name -> bytes)."""
+    import io
+
+    good = io.BytesIO()
+    sf.write(good, speechlike(16000), 16000, format="WAV", subtype="PCM_16")
+    nan = io.BytesIO()
+    x = speechlike(4000)
+    x[100] = np.nan
+    sf.write(nan, x, 16000, format="WAV", subtype="FLOAT")
+    return {"truncated.wav": good.getvalue()[:20000], "junk.wav": b"hello, this is not audio" * 20,
+            "nan.wav": nan.getvalue(), "header.wav": good.getvalue()[:30], "empty.wav": b""}
+
+
+def test_broken_input_fails_with_the_rest_message_and_no_output(tmp_path, model_path, capsys):
+    """A truncated WAV is an error (REST answers 422), not a shorter result; each broken file gives
+    one line on stderr with the service's message, a non-zero exit and nothing written."""
+    import io
+
+    from server.audio_io import AudioReader as RestReader
+    from server.errors import ServiceError
+
+    for name, data in _broken_inputs(tmp_path).items():
+        src = tmp_path / name
+        src.write_bytes(data)
+        dst = tmp_path / f"out-{name}"
+        assert main(["denoise", str(src), "-o", str(dst), "--model", str(model_path), "-q"]) != 0, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {src}: "), err
+        assert not dst.exists() and not list(tmp_path.glob("*.part")), name
+        with pytest.raises(ServiceError) as rest:  # what REST says of the same bytes
+            r = RestReader(io.BytesIO(data), max_channels=8, max_duration_s=3600)
+            while r.read(16000) is not None:
+                pass
+        assert rest.value.status in (400, 415, 422), name
+        message = err.removeprefix(f"error: {src}: ").strip()
+        if rest.value.kind == "unsupported_media":  # REST says "the body is ...", a file is a file
+            assert message.endswith("not an audio file libsndfile can read (WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF ...)")
+        elif rest.value.kind == "empty_input" and "request body" in rest.value.message:
+            assert message == "the audio file is empty (0 bytes)"
+        else:
+            assert message == rest.value.message, name
+
+
+def test_broken_input_in_a_subprocess_prints_one_line_and_no_traceback(tmp_path, model_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "truncated.wav"
+    src.write_bytes(_broken_inputs(tmp_path)["truncated.wav"])
+    r = subprocess.run([sys.executable, "-m", "enhancer", "denoise", str(src), "-o", str(tmp_path / "o.wav"),
+                        "--model", str(model_path), "-q"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"error: {src}: the WAV file is truncated: its header promises more audio data "
+                                "than the file holds")
+    assert not (tmp_path / "o.wav").exists()
+
+
+def test_several_inputs_need_a_folder(tmp_path, model_path, capsys):
+    a, b = _tone(tmp_path / "a.wav"), _tone(tmp_path / "b.wav")
+    single = tmp_path / "single.wav"
+    assert main(["denoise", str(a), str(b), "-o", str(single), "--model", str(model_path), "-q"]) == 2
+    assert "-o " + str(single) + " names a file; with several inputs (or a folder) -o must be a folder" in \
+           capsys.readouterr().err
+    assert not single.exists()  # no folder named single.wav
+    (tmp_path / "d").mkdir()
+    _tone(tmp_path / "d" / "c.wav")
+    assert main(["denoise", str(tmp_path / "d"), "-o", str(single), "--model", str(model_path), "-q"]) == 2
+    assert not single.exists()
+    existing = _tone(tmp_path / "existing.flac", format="FLAC")
+    assert main(["denoise", str(a), str(b), "-o", str(existing), "--model", str(model_path), "-q"]) == 2
+    assert "is a file; with several inputs" in capsys.readouterr().err
+    (tmp_path / "e").mkdir()
+    _tone(tmp_path / "e" / "a.wav")  # two inputs named a.wav: one would overwrite the other
+    assert main(["denoise", str(a), str(tmp_path / "e"), "-o", str(tmp_path / "o"), "--model", str(model_path),
+                 "-q"]) == 2
+    assert "would both be written to" in capsys.readouterr().err
+    assert main(["denoise", str(a), str(b), "-o", str(tmp_path / "o"), "--model", str(model_path), "-q"]) == 0
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["a.wav", "b.wav"]
+    # one input file into an existing folder, or a name without extension: the folder
+    assert main(["denoise", str(a), "-o", str(tmp_path / "d"), "--model", str(model_path), "-q"]) == 0
+    assert sf.info(tmp_path / "d" / "a.wav").frames == 6000
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider .CUDAExecutionProvider.")
+def test_device_cuda_without_cuda_is_an_error_as_in_serve(tmp_path, model_path, monkeypatch, capsys):
+    import enhancer.devices as devices
+
+    src = _tone(tmp_path / "a.wav")
+    monkeypatch.setattr(devices, "available_providers", lambda: ["CPUExecutionProvider"])
+    for argv in (["denoise", str(src), "-o", str(tmp_path / "o.wav"), "--model", str(model_path), "-q",
+                  "--device", "cuda"], ["bench", "--model", str(model_path), "--device", "cuda", "--steps", "1"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == ("error: device 'cuda' requested but onnxruntime has no CUDAExecutionProvider "
+                                           "(install the [gpu] extra on a machine with CUDA)\n")
+    assert not (tmp_path / "o.wav").exists()
+    # CUDA listed but the session could not start it (onnxruntime falls back to the CPU): refused too
+    monkeypatch.setattr(devices, "available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert main(["denoise", str(src), "-o", str(tmp_path / "o.wav"), "--model", str(model_path), "-q",
+                 "--device", "cuda"]) == 2
+    assert "device 'cuda' requested but the model runs on CPUExecutionProvider" in capsys.readouterr().err
+    assert not (tmp_path / "o.wav").exists()
+    assert main(["denoise", str(src), "-o", str(tmp_path / "o.wav"), "--model", str(model_path), "-q",
+                 "--device", "cpu"]) == 0
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"enhancer {enhancer.__version__} (tim-enhancer)")
+    assert "model tim.onnx: tim" in out  # the shipped model, with the version that exported it
+
+
+def test_every_option_has_help_text():
+    import argparse
+
+    from enhancer.cli import build_parser
+
+    def parsers(p, path):
+        yield path, p
+        for act in p._actions:
+            if isinstance(act, argparse._SubParsersAction):
+                for name, sub in act.choices.items():
+                    yield from parsers(sub, f"{path} {name}")
+
+    missing = []
+    for path, p in parsers(build_parser(), "enhancer"):
+        if not p.add_help:  # a plug-in command that cannot load here (only its reason)
+            continue
+        for act in p._actions:
+            if isinstance(act, argparse._SubParsersAction):
+                missing += [f"{path} {c.dest}" for c in act._choices_actions if not c.help]
+            elif not act.help:
+                missing.append(f"{path} {'/'.join(act.option_strings) or act.dest}")
+    assert not missing, missing
+
+
+def test_info_prints_a_summary_for_people_and_json_on_request(model_path, capsys):
+    assert main(["info", str(model_path)]) == 0
+    out = capsys.readouterr().out
+    rows = dict(line.split(None, 1) if not line.startswith(("sample rate", "frame / hop")) else
+                (line[:11].strip(), line[11:].strip()) for line in out.splitlines() if line and not line.startswith("("))
+    assert rows["model"].startswith("tim, 6.99 M parameters")
+    assert rows["sample rate"].startswith("16000 Hz")
+    assert rows["latency"].startswith("64 ms algorithmic")
+    assert rows["frame / hop"].startswith("512 / 256 samples (32 / 16 ms)")
+    assert rows["provider"].startswith("CPUExecutionProvider (available: ")
+    assert rows["threads"].startswith("1 ")
+    assert rows["version"].startswith(f"tim-enhancer {enhancer.__version__}")
+    assert not out.lstrip().startswith("{")
+    assert main(["info", str(model_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["preset"] == "tim"

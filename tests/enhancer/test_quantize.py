@@ -73,7 +73,7 @@ def test_export_cli_int8_and_bench_flag(tmp_path, capsys):
     assert main(["export", str(ckpt), "-o", str(tmp_path / "b.onnx"), "--int8"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["weights"] == "int8" and report["parity_snr_db"] >= MIN_PARITY_SNR_DB
-    assert main(["info", str(tmp_path / "b.onnx")]) == 0
+    assert main(["info", str(tmp_path / "b.onnx"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weights"] == "int8"
     assert main(["bench", "--int8", "--model", str(tmp_path / "b.onnx")]) == 2
     assert "--int8 applies to --preset" in capsys.readouterr().err
