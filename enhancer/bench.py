@@ -25,8 +25,8 @@ from .runtime import OFFLINE_FRAMES, Enhancer, LanePool
 BATCHES = (1, 4, 16, 32, 64)
 PACED_BATCHES = (1, 16)
 OFFLINE_SWEEP = (1, 16, 32, 64, 128, 256)  # frames per call of the offline runs
-# Share of the measured real-time capacity to plan for: the soaks (server/README.md) lost messages
-# to machine stalls already at two thirds of it on a shared VM, so this is an upper bound to verify.
+# Share of the measured real-time capacity to plan for: an upper bound, to verify with a soak
+# (server/README.md) on the machine that serves.
 HEADROOM = 2 / 3
 
 

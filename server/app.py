@@ -18,7 +18,7 @@ import enhancer
 
 from . import rest, ws
 from .auth import QUERY, ApiKeyMiddleware
-from .errors import ServiceError
+from .errors import ErrorKind, ServiceError
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .settings import Settings
@@ -83,7 +83,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, e: ServiceError, headers: dict | None = None):
         metrics.errors.labels(kind=e.kind).inc()
-        if e.kind in ("over_capacity", "shutting_down"):
+        if e.kind in (ErrorKind.OVER_CAPACITY, ErrorKind.SHUTTING_DOWN):
             retry = e.retry_after_s if e.retry_after_s is not None else 1
             headers = (headers or {}) | {"Retry-After": str(max(1, int(-(-retry // 1))))}
         return JSONResponse(e.rest_body(), status_code=e.status, headers=headers)
@@ -94,7 +94,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         for err in e.errors():
             where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body"))
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return await service_error(request, ServiceError("invalid_parameter", "; ".join(parts) or "invalid request"))
+        return await service_error(request, ServiceError(ErrorKind.INVALID_PARAMETER, "; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -106,7 +106,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("request failed")
-        return await service_error(request, ServiceError("internal", "internal error"))
+        return await service_error(request, ServiceError(ErrorKind.INTERNAL, "internal error"))
 
 
 def _add_operations(app: FastAPI, metrics: Metrics) -> None:
@@ -129,7 +129,7 @@ def _add_operations(app: FastAPI, metrics: Metrics) -> None:
             "parameters": enh.engine.parameters, "workers": len(scheduler.workers),
             "sample_rate": cfg.stft.sample_rate, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "latency_ms": cfg.algorithmic_latency_ms, "active_streams": scheduler.streams,
-            "capacity": scheduler.public_capacity(),
+            "capacity": scheduler.admission.public(),
             "limits": request.app.state.settings.public(),
         }
 
@@ -152,7 +152,7 @@ def _add_demo(app: FastAPI) -> None:
     async def static(name: str) -> FileResponse:
         path = assets.get(name)
         if path is None:
-            raise ServiceError("not_found", "no such file")
+            raise ServiceError(ErrorKind.NOT_FOUND, "no such file")
         return FileResponse(path, headers={"Cache-Control": "no-cache"})
 
     @app.get("/docs", include_in_schema=False)

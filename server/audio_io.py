@@ -13,7 +13,7 @@ import soundfile as sf
 from enhancer.errors import AudioError
 from enhancer.signal import MAX_ABS_SAMPLE, check_rate, nonfinite_and_peak
 
-from .errors import ServiceError
+from .errors import ErrorKind, ServiceError
 
 # output container names of the `format` parameter -> libsndfile major format
 FORMATS = {"wav": "WAV", "flac": "FLAC", "ogg": "OGG", "mp3": "MP3"}
@@ -26,7 +26,7 @@ MP3_SLACK = 2 * 1152  # MP3 frame counts from headers may be estimates: tolerate
 
 ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 # Encoder limits libsndfile does not check itself: above 200 kHz its Vorbis encoder crashes the
-# process when the file is closed (found by fuzzing: one request took the server down).
+# process when the file is closed.
 VORBIS_MAX_RATE = 200_000
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
@@ -37,9 +37,9 @@ def check_samples(x: np.ndarray, what: str = "the audio") -> None:
         return
     bad, peak = nonfinite_and_peak(x)
     if bad:
-        raise ServiceError("invalid_audio", f"{what} contains NaN or Inf samples")
+        raise ServiceError(ErrorKind.INVALID_AUDIO, f"{what} contains NaN or Inf samples")
     if peak > MAX_ABS_SAMPLE:
-        raise ServiceError("invalid_audio", f"{what} has sample values up to {peak:.3g}; float samples must lie "
+        raise ServiceError(ErrorKind.INVALID_AUDIO, f"{what} has sample values up to {peak:.3g}; float samples must lie "
                            f"within +-{MAX_ABS_SAMPLE:g} (full scale is +-1)")
 
 
@@ -65,17 +65,17 @@ class AudioReader:
         size = fileobj.tell()
         fileobj.seek(0)
         if size == 0:
-            raise ServiceError("empty_input", "the request body is empty; send an audio file")
+            raise ServiceError(ErrorKind.EMPTY_INPUT, "the request body is empty; send an audio file")
         try:
             self.sf = sf.SoundFile(fileobj)
         except sf.LibsndfileError as e:
             reason = _libsndfile_reason(e)
             if "not recognised" in reason.lower():
-                raise ServiceError("unsupported_media", "the body is not an audio file libsndfile can read "
+                raise ServiceError(ErrorKind.UNSUPPORTED_MEDIA, "the body is not an audio file libsndfile can read "
                                    "(WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF ...)") from None
-            raise ServiceError("invalid_audio", f"the audio file is malformed or truncated ({reason})") from None
+            raise ServiceError(ErrorKind.INVALID_AUDIO, f"the audio file is malformed or truncated ({reason})") from None
         except (RuntimeError, TypeError, ValueError) as e:
-            raise ServiceError("invalid_audio", f"the audio file cannot be opened ({e})") from None
+            raise ServiceError(ErrorKind.INVALID_AUDIO, f"the audio file cannot be opened ({e})") from None
         f = self.sf
         self.info = AudioInfo(f.samplerate, f.channels, f.frames, f.format, f.subtype)
         self.read_frames = 0
@@ -83,10 +83,10 @@ class AudioReader:
             check_rate(f.samplerate)
         except AudioError as e:
             self.close()
-            raise ServiceError("invalid_audio", f"the file's {e}") from None
+            raise ServiceError(ErrorKind.INVALID_AUDIO, f"the file's {e}") from None
         if not 1 <= f.channels <= max_channels:
             self.close()
-            raise ServiceError("invalid_audio", f"the file has {f.channels} channels; at most {max_channels} are supported")
+            raise ServiceError(ErrorKind.INVALID_AUDIO, f"the file has {f.channels} channels; at most {max_channels} are supported")
         self._check_header(max_duration_s)
         self.max_frames = int(max_duration_s * f.samplerate)
 
@@ -95,17 +95,17 @@ class AudioReader:
         extra = f.extra_info or ""
         if info.format in ("WAV", "WAVEX", "RF64", "W64") and re.search(r"data\s*:\s*\d+\s*\(should be", extra):
             self.close()
-            raise ServiceError("invalid_audio", "the WAV file is truncated: its header promises more audio data "
+            raise ServiceError(ErrorKind.INVALID_AUDIO, "the WAV file is truncated: its header promises more audio data "
                                "than the file holds")
         if info.format == "OGG" and "ended unexpectedly" in extra:
             self.close()
-            raise ServiceError("invalid_audio", "the OGG file is truncated (no end-of-stream page)")
+            raise ServiceError(ErrorKind.INVALID_AUDIO, "the OGG file is truncated (no end-of-stream page)")
         if info.frames <= 0:
             self.close()
-            raise ServiceError("empty_input", "the audio file contains no samples")
+            raise ServiceError(ErrorKind.EMPTY_INPUT, "the audio file contains no samples")
         if info.duration_s > max_duration_s:
             self.close()
-            raise ServiceError("too_long", f"the audio is {info.duration_s:.1f} s long; the limit is {max_duration_s:g} s")
+            raise ServiceError(ErrorKind.TOO_LONG, f"the audio is {info.duration_s:.1f} s long; the limit is {max_duration_s:g} s")
 
     def blocks(self, frames: int):
         """Yields float32 blocks (n, channels); raises ServiceError if the file ends early or breaks."""
@@ -120,7 +120,7 @@ class AudioReader:
         try:
             x = self.sf.read(frames, dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError) as e:
-            raise ServiceError("invalid_audio", f"the audio file is corrupt or truncated after "
+            raise ServiceError(ErrorKind.INVALID_AUDIO, f"the audio file is corrupt or truncated after "
                                f"{self.read_frames} frames ({_libsndfile_reason(e)})") from None
         if x.shape[0] == 0:
             self._check_complete()
@@ -128,21 +128,21 @@ class AudioReader:
         check_samples(x)
         self.read_frames += x.shape[0]
         if self.read_frames > self.max_frames:
-            raise ServiceError("too_long", f"the audio is longer than the limit of {self.max_frames / self.info.sample_rate:g} s")
+            raise ServiceError(ErrorKind.TOO_LONG, f"the audio is longer than the limit of {self.max_frames / self.info.sample_rate:g} s")
         return x
 
     def _check_complete(self) -> None:
         slack = MP3_SLACK if self.info.format == "MP3" else 0
         if self.read_frames + slack < self.info.frames:
-            raise ServiceError("invalid_audio", f"the audio file is truncated: its header promises {self.info.frames} "
+            raise ServiceError(ErrorKind.INVALID_AUDIO, f"the audio file is truncated: its header promises {self.info.frames} "
                                f"frames, it holds {self.read_frames}")
         if self.read_frames == 0:
-            raise ServiceError("empty_input", "the audio file contains no samples")
+            raise ServiceError(ErrorKind.EMPTY_INPUT, "the audio file contains no samples")
 
     def close(self) -> None:
         try:
             self.sf.close()
-        except Exception:  # noqa: BLE001 - closing a broken decoder must not mask the real error
+        except Exception:  # closing a broken decoder must not mask the real error
             pass
 
 
@@ -160,23 +160,23 @@ def output_format(requested: str | None, info: AudioInfo) -> tuple[str, str]:
     else:
         key = requested.lower().lstrip(".")
         if key not in FORMATS:
-            raise ServiceError("invalid_parameter", f"format must be one of {', '.join(FORMATS)}, got {requested!r}")
+            raise ServiceError(ErrorKind.INVALID_PARAMETER, f"format must be one of {', '.join(FORMATS)}, got {requested!r}")
         fmt = FORMATS[key]
     subtype = info.subtype if fmt == info.format else sf.default_subtype(fmt)
     if not sf.check_format(fmt, subtype):
         subtype = sf.default_subtype(fmt)
     if fmt not in MEDIA_TYPES or not subtype or not sf.check_format(fmt, subtype):
-        raise ServiceError("invalid_parameter", f"cannot write {fmt} files; ask for format=wav, flac, ogg or mp3")
+        raise ServiceError(ErrorKind.INVALID_PARAMETER, f"cannot write {fmt} files; ask for format=wav, flac, ogg or mp3")
     return fmt, subtype
 
 
 def check_encodable(fmt: str, subtype: str, sample_rate: int) -> None:
     """ServiceError unless libsndfile can safely write `subtype` at `sample_rate`."""
     if subtype == "VORBIS" and sample_rate > VORBIS_MAX_RATE:
-        raise ServiceError("invalid_parameter", f"OGG/Vorbis cannot encode {sample_rate} Hz (at most "
+        raise ServiceError(ErrorKind.INVALID_PARAMETER, f"OGG/Vorbis cannot encode {sample_rate} Hz (at most "
                            f"{VORBIS_MAX_RATE} Hz); ask for format=wav or format=flac")
     if subtype == "OPUS" and sample_rate not in OPUS_RATES:
-        raise ServiceError("invalid_parameter", f"OGG/Opus cannot encode {sample_rate} Hz (only "
+        raise ServiceError(ErrorKind.INVALID_PARAMETER, f"OGG/Opus cannot encode {sample_rate} Hz (only "
                            f"{', '.join(map(str, OPUS_RATES))}); ask for format=wav or format=flac")
 
 
@@ -188,7 +188,7 @@ class AudioWriter:
         try:
             self.sf = sf.SoundFile(fileobj, "w", samplerate=sample_rate, channels=channels, format=fmt, subtype=subtype)
         except (sf.LibsndfileError, RuntimeError, ValueError) as e:
-            raise ServiceError("invalid_parameter", f"cannot write {fmt}/{subtype} at {sample_rate} Hz with "
+            raise ServiceError(ErrorKind.INVALID_PARAMETER, f"cannot write {fmt}/{subtype} at {sample_rate} Hz with "
                                f"{channels} channel(s) ({_libsndfile_reason(e)}); choose another format") from None
         self.clip = not subtype.startswith(("FLOAT", "DOUBLE"))
         self.format, self.subtype = fmt, subtype
@@ -208,7 +208,7 @@ class AudioWriter:
         """Close after a failure (the output is thrown away)."""
         try:
             self.sf.close()
-        except Exception:  # noqa: BLE001 - the real error is already on its way to the client
+        except Exception:  # the real error is already on its way to the client
             pass
 
     @property
@@ -229,7 +229,7 @@ def decode_pcm(data: bytes, encoding: str, channels: int) -> np.ndarray:
     """Interleaved little-endian PCM -> (n, channels) float32 (int16 scaled to [-1, 1))."""
     size = frame_bytes(encoding, channels)
     if len(data) % size:
-        raise ServiceError("invalid_audio", f"a binary message of {len(data)} bytes is not a whole number of "
+        raise ServiceError(ErrorKind.INVALID_AUDIO, f"a binary message of {len(data)} bytes is not a whole number of "
                            f"{encoding} frames ({size} bytes per frame for {channels} channel(s))")
     x = np.frombuffer(data, dtype=ENCODINGS[encoding]).reshape(-1, channels)
     if encoding == "pcm_s16le":

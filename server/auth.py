@@ -15,7 +15,7 @@ from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
 from starlette.datastructures import Headers, QueryParams
 
-from .errors import ServiceError
+from .errors import ErrorKind, ServiceError
 
 HEADER = "X-API-Key"
 QUERY = "api_key"
@@ -32,9 +32,9 @@ def check_key(expected: str | None, given: str | None) -> None:
     if expected is None:
         return
     if not given:
-        raise ServiceError("unauthorized", f"an API key is required: send the {HEADER} header")
+        raise ServiceError(ErrorKind.UNAUTHORIZED, f"an API key is required: send the {HEADER} header")
     if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise ServiceError("forbidden", "the API key is not valid")
+        raise ServiceError(ErrorKind.FORBIDDEN, "the API key is not valid")
 
 
 def is_public(path: str) -> bool:

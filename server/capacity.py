@@ -138,7 +138,7 @@ def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: 
         try:
             barrier.wait()
             results[i] = calibrate_pool(pool, hop_s, budget_s, min(max_streams, pool.capacity), deadline, reps, seed=i)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+        except BaseException as e:  # re-raised on the calling thread
             results[i] = e
 
     threads = [threading.Thread(target=run, args=(i, p), name=f"tim-calibrate-{i}") for i, p in enumerate(pools)]

@@ -2,15 +2,21 @@
 from the loop to the worker (`Open`, `Push`, `End`, `Close`), and `Delivery`s back.
 
 Commands are queued in order per worker and applied on its thread (`server.worker`); a Job's
-deliveries come back through its event loop (`server.scheduler.Job`).
+deliveries come back through its event loop (`server.jobs.Job`). `JobHandle` is what a worker
+sees of a job.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
+from enhancer.cursor import StepFrame
+
 from .errors import ServiceError
+from .messages import Event, Source
 
 
 @dataclass
@@ -18,18 +24,32 @@ class Delivery:
     """Output of a stream handed to its handler: audio (n, channels) float32 at the stream's rate."""
 
     audio: np.ndarray
-    frames: list = field(default_factory=list)  # (frame index, competition (c, n_tim, n_s) | None, activity (c,))
+    frames: list[StepFrame] = field(default_factory=list)  # per-step metadata (with "metadata": true)
     acked: int = 0  # sequence number of the last push whose audio is fully processed
     final: bool = False  # the stream's tail after `end`; nothing follows
     error: ServiceError | None = None
-    events: list = field(default_factory=list)  # JSON messages for the client ("late", "on_time", "gap")
+    events: list[Event] = field(default_factory=list)  # for the client: Late, OnTime, Gap
+
+
+class JobHandle(Protocol):
+    """What an inference worker reads of a job (`server.jobs.Job`), and how it hands output back."""
+
+    id: int
+    source: Source
+    sample_rate: int
+    channels: int
+    metadata: bool
+    sent: int  # pushes enqueued so far
+    loop: asyncio.AbstractEventLoop  # the deliveries go through it
+
+    def deliver(self, d: Delivery) -> None: ...
 
 
 @dataclass(frozen=True)
 class Open:
     """Start the stream of an admitted job (its lanes are reserved)."""
 
-    job: "Job"  # noqa: F821 - server.scheduler.Job (not imported: the scheduler imports this module)
+    job: JobHandle
     atten_lim_db: float | None
 
 
@@ -37,7 +57,7 @@ class Open:
 class Push:
     """Audio of the stream: (n,) or (n, channels), any length."""
 
-    job: "Job"  # noqa: F821
+    job: JobHandle
     pcm: np.ndarray
     arrived: float  # perf_counter when the audio arrived: the stream's hops are due from then (lateness)
     seq: int  # the push's sequence number, acknowledged once all of its audio is stepped
@@ -47,7 +67,7 @@ class Push:
 class End:
     """Flush the stream: its tail is the last delivery (final), then the worker frees its lanes."""
 
-    job: "Job"  # noqa: F821
+    job: JobHandle
     seq: int  # the last push's sequence number, acknowledged with the tail
 
 
@@ -55,7 +75,7 @@ class End:
 class Close:
     """Drop the stream now, whatever it still holds."""
 
-    job: "Job"  # noqa: F821
+    job: JobHandle
 
 
 Command = Open | Push | End | Close

@@ -5,38 +5,79 @@ Responses carry `{"error": {"kind": ..., "message": ...}}` (REST) or
 """
 from __future__ import annotations
 
+try:
+    from enum import StrEnum
+except ImportError:  # pragma: no cover - Python 3.10
+    from enum import Enum
+
+    class StrEnum(str, Enum):
+        """enum.StrEnum of Python 3.11: members are their values as strings."""
+
+        def __str__(self) -> str:
+            return self.value
+
+        def __format__(self, spec: str) -> str:
+            return format(self.value, spec)
+
+
+class ErrorKind(StrEnum):
+    """What went wrong, as clients see it (`kind` of the JSON error)."""
+
+    EMPTY_INPUT = "empty_input"  # no bytes / no samples
+    BAD_REQUEST = "bad_request"  # malformed request or message
+    UNAUTHORIZED = "unauthorized"  # API key missing
+    FORBIDDEN = "forbidden"  # API key wrong
+    TOO_LARGE = "too_large"  # upload or message over the byte limit
+    TOO_LONG = "too_long"  # audio over the duration limit
+    UNSUPPORTED_MEDIA = "unsupported_media"  # not audio we can read, text where audio belongs, unknown encoding
+    INVALID_AUDIO = "invalid_audio"  # truncated, absurd rate, NaN/Inf, wrong channel count ...
+    INVALID_PARAMETER = "invalid_parameter"  # atten_lim_db, format, sample_rate, channels ...
+    NOT_FOUND = "not_found"  # no such route or file
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    IDLE_TIMEOUT = "idle_timeout"  # no message within the idle timeout
+    RATE_LIMITED = "rate_limited"  # websocket messages faster than the message-rate limit
+    OVER_CAPACITY = "over_capacity"  # all streams / jobs / lanes busy
+    SHUTTING_DOWN = "shutting_down"  # the server is draining for a restart: reconnect
+    CLIENT_CLOSED = "client_closed"  # the client went away mid-request (nobody sees the answer)
+    INTERNAL = "internal"  # a bug or a failed inference step
+
+
 # kind: (HTTP status, websocket close code)
-KINDS: dict[str, tuple[int, int]] = {
-    "empty_input": (400, 1007),  # no bytes / no samples
-    "bad_request": (400, 1007),  # malformed request or message
-    "unauthorized": (401, 1008),  # API key missing
-    "forbidden": (403, 1008),  # API key wrong
-    "too_large": (413, 1009),  # upload or message over the byte limit
-    "too_long": (413, 1008),  # audio over the duration limit
-    "unsupported_media": (415, 1003),  # not audio we can read, text where audio belongs, unknown encoding
-    "invalid_audio": (422, 1007),  # truncated, absurd rate, NaN/Inf, wrong channel count ...
-    "invalid_parameter": (422, 1007),  # atten_lim_db, format, sample_rate, channels ...
-    "not_found": (404, 1008),  # no such route or file
-    "method_not_allowed": (405, 1008),
-    "idle_timeout": (408, 1008),  # no message within the idle timeout
-    "rate_limited": (429, 1008),  # websocket messages faster than the message-rate limit
-    "over_capacity": (503, 1013),  # all streams / jobs / lanes busy
-    "shutting_down": (503, 1012),  # the server is draining for a restart: reconnect
-    "client_closed": (499, 1001),  # the client went away mid-request (nobody sees the answer)
-    "internal": (500, 1011),  # a bug or a failed inference step
+KINDS: dict[ErrorKind, tuple[int, int]] = {
+    ErrorKind.EMPTY_INPUT: (400, 1007),
+    ErrorKind.BAD_REQUEST: (400, 1007),
+    ErrorKind.UNAUTHORIZED: (401, 1008),
+    ErrorKind.FORBIDDEN: (403, 1008),
+    ErrorKind.TOO_LARGE: (413, 1009),
+    ErrorKind.TOO_LONG: (413, 1008),
+    ErrorKind.UNSUPPORTED_MEDIA: (415, 1003),
+    ErrorKind.INVALID_AUDIO: (422, 1007),
+    ErrorKind.INVALID_PARAMETER: (422, 1007),
+    ErrorKind.NOT_FOUND: (404, 1008),
+    ErrorKind.METHOD_NOT_ALLOWED: (405, 1008),
+    ErrorKind.IDLE_TIMEOUT: (408, 1008),
+    ErrorKind.RATE_LIMITED: (429, 1008),
+    ErrorKind.OVER_CAPACITY: (503, 1013),
+    ErrorKind.SHUTTING_DOWN: (503, 1012),
+    ErrorKind.CLIENT_CLOSED: (499, 1001),
+    ErrorKind.INTERNAL: (500, 1011),
 }
 
 
 class ServiceError(Exception):
     """An error with a client-facing message; `kind` selects status and close code."""
 
-    def __init__(self, kind: str, message: str, details: dict | None = None, retry_after_s: float | None = None):
+    def __init__(self, kind: ErrorKind | str, message: str, details: dict | None = None,
+                 retry_after_s: float | None = None):
         """`details`: extra JSON fields for the client (e.g. the capacity); `retry_after_s`: when to
         retry (REST: the Retry-After header; websocket: the `retry_after_s` field)."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown error kind {kind!r}")
+        try:
+            kind = ErrorKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown error kind {kind!r}") from None
         super().__init__(message)
-        self.kind, self.message = kind, message
+        self.kind: ErrorKind = kind
+        self.message = message
         self.details = dict(details or {})
         self.retry_after_s = retry_after_s
 
@@ -52,14 +93,15 @@ class ServiceError(Exception):
         return self.details | ({} if self.retry_after_s is None else {"retry_after_s": self.retry_after_s})
 
     def rest_body(self) -> dict:
-        return {"error": {"kind": self.kind, "message": self.message} | self._extra()}
+        return {"error": {"kind": self.kind.value, "message": self.message} | self._extra()}
 
     def ws_message(self) -> dict:
-        return {"type": "error", "kind": self.kind, "message": self.message, "code": self.close_code} | self._extra()
+        return {"type": "error", "kind": self.kind.value, "message": self.message,
+                "code": self.close_code} | self._extra()
 
 
 def too_large(size: int, limit: int, at_least: bool = False) -> ServiceError:
     """The one answer to a websocket message over `max_message_bytes`, whoever sees it first: the
     handler (a whole message) or the protocol layer (a frame header, or fragments adding up)."""
-    return ServiceError("too_large", f"a message of {'at least ' if at_least else ''}{size} bytes is over the limit of "
-                                     f"{limit} bytes; send smaller chunks")
+    return ServiceError(ErrorKind.TOO_LARGE, f"a message of {'at least ' if at_least else ''}{size} bytes is over "
+                        f"the limit of {limit} bytes; send smaller chunks")

@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .errors import KINDS
+from .messages import Source
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.032, 0.064, 0.1, 0.25, 0.5, 1.0)
@@ -34,7 +35,7 @@ class Metrics:
                                   buckets=LAG_BUCKETS, registry=r)
         self.gc_pause = Histogram("tim_gc_pause_seconds", "Duration of each collection of generation 1 or 2", ["generation"],
                                   buckets=LAG_BUCKETS, registry=r)
-        # admission (server.capacity) and lateness of live streams (scheduler: catch-up policy)
+        # admission (server.admission, server.capacity) and lateness of live streams (server.lateness)
         self.capacity = Gauge("tim_capacity_streams", "Live streams admitted at most (measured at start-up, or "
                               "the capacity setting); tim_active_streams is the live count", registry=r)
         self.capacity_worker = Gauge("tim_capacity_worker_streams", "Live stream lanes each worker holds within the "
@@ -55,12 +56,11 @@ class Metrics:
         self.skipped_hops = Counter("tim_skipped_hops", "Live hops skipped (output zeros) because their stream was "
                                     "later than max_lateness_ms", registry=r)
         self.gaps = Counter("tim_gaps", "Backlogs skipped (each one a 'gap' message to its client)", registry=r)
-        for source in ("stream", "rest"):
+        for source in Source:
             self.refused.labels(source=source)
+            self.frames.labels(source=source)
         for kind in KINDS:
             self.errors.labels(kind=kind)
-        for source in ("stream", "rest"):
-            self.frames.labels(source=source)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,7 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from .audio_io import FORMATS, AudioReader, AudioWriter, output_format
 from .auth import require_api_key
 from .aio import timeout as _timeout
-from .errors import ServiceError
+from .errors import ErrorKind, ServiceError
+from .messages import Source
 
 SPOOL_BYTES = 8 * 1024 * 1024  # in memory up to this size, then a temporary file
 ACCEPTED_TYPES = ("audio/", "application/octet-stream", "multipart/form-data")
@@ -92,7 +93,7 @@ async def enhance(
     rate and channel count, and returns the enhanced audio in the same container (or `format`)."""
     settings = request.app.state.settings
     if request.app.state.draining:
-        raise ServiceError("shutting_down", "the server is shutting down; retry on another instance or later")
+        raise ServiceError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; retry on another instance or later")
     t0 = time.perf_counter()
     upload, form = await _receive(request, settings.max_upload_bytes, settings.idle_timeout_s)
     try:
@@ -122,7 +123,7 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
         info = reader.info
         fmt, subtype = output_format(format, info)
         writer = AudioWriter(out_file, fmt, subtype, info.sample_rate, info.channels)
-        job = scheduler.open(info.sample_rate, info.channels, atten_lim_db, False, "rest")
+        job = scheduler.open(info.sample_rate, info.channels, atten_lim_db, False, Source.REST)
         try:
             block = max(1, int(settings.rest_chunk_s * info.sample_rate))
             while (x := await run_in_threadpool(reader.read, block)) is not None:
@@ -145,7 +146,7 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
 def _finite(y):
     """Output guard: enhanced audio with NaN/Inf is never returned as a result."""
     if not np.isfinite(y).all():
-        raise ServiceError("internal", "the enhancement produced invalid samples; nothing was returned")
+        raise ServiceError(ErrorKind.INTERNAL, "the enhancement produced invalid samples; nothing was returned")
     return y
 
 
@@ -155,11 +156,11 @@ async def _receive(request: Request, limit: int, idle_s: float):
     a client that sends nothing for `idle_s` gets 408."""
     ctype = request.headers.get("content-type", "application/octet-stream").split(";")[0].strip().lower()
     if not ctype.startswith(ACCEPTED_TYPES):
-        raise ServiceError("unsupported_media", f"Content-Type {ctype!r} is not audio; send the file with an audio/* "
+        raise ServiceError(ErrorKind.UNSUPPORTED_MEDIA, f"Content-Type {ctype!r} is not audio; send the file with an audio/* "
                            "type (e.g. audio/wav) or as the 'file' field of a multipart/form-data body")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise ServiceError("too_large", f"the upload is {int(length)} bytes; the limit is {limit} bytes")
+        raise ServiceError(ErrorKind.TOO_LARGE, f"the upload is {int(length)} bytes; the limit is {limit} bytes")
     received = 0
 
     async def receive():
@@ -169,12 +170,12 @@ async def _receive(request: Request, limit: int, idle_s: float):
             async with _timeout(idle_s):
                 message = await request.receive()
         except (asyncio.TimeoutError, TimeoutError):
-            raise ServiceError("idle_timeout", f"no upload data for {idle_s:g} s; closing the request") from None
+            raise ServiceError(ErrorKind.IDLE_TIMEOUT, f"no upload data for {idle_s:g} s; closing the request") from None
         if message["type"] == "http.disconnect":
-            raise ServiceError("client_closed", "the client closed the connection during the upload")
+            raise ServiceError(ErrorKind.CLIENT_CLOSED, "the client closed the connection during the upload")
         received += len(message.get("body", b""))
         if received > limit:
-            raise ServiceError("too_large", f"the upload is over the limit of {limit} bytes")
+            raise ServiceError(ErrorKind.TOO_LARGE, f"the upload is over the limit of {limit} bytes")
         return message
 
     body = Request(request.scope, receive)
@@ -195,15 +196,15 @@ async def _receive_form(body: Request):
         form = await body.form(max_files=1, max_fields=8)
     except ServiceError:
         raise
-    except Exception as e:  # noqa: BLE001 - starlette's multipart errors
-        raise ServiceError("bad_request", f"malformed multipart body ({e})") from None
+    except Exception as e:  # starlette's multipart errors
+        raise ServiceError(ErrorKind.BAD_REQUEST, f"malformed multipart body ({e})") from None
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
         await form.close()
         if isinstance(upload, str):
-            raise ServiceError("bad_request", "the multipart field 'file' must be a file part (its "
+            raise ServiceError(ErrorKind.BAD_REQUEST, "the multipart field 'file' must be a file part (its "
                                "Content-Disposition needs a filename), not a plain form value")
-        raise ServiceError("bad_request", "the multipart body needs the audio file in a field named 'file'")
+        raise ServiceError(ErrorKind.BAD_REQUEST, "the multipart body needs the audio file in a field named 'file'")
     return upload.file, form
 
 
@@ -214,7 +215,7 @@ def _form_number(form, name: str, default: float | None) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ServiceError("invalid_parameter", f"{name} must be a number, got {value!r}") from None
+        raise ServiceError(ErrorKind.INVALID_PARAMETER, f"{name} must be a number, got {value!r}") from None
 
 
 async def _iter_file(f, chunk: int = 256 * 1024):

@@ -8,14 +8,18 @@ for REST requests in flight (again at most `drain_timeout_s`) -> the inference w
 """
 from __future__ import annotations
 
+import logging
 import socket
 
 import uvicorn
 
 from enhancer.errors import EnhancerError
 
+from .errors import ErrorKind
 from .settings import Settings
 from .stalls import freeze_startup_objects
+
+log = logging.getLogger("tim_enhancer.server")
 
 
 class StartupError(EnhancerError, RuntimeError):
@@ -35,12 +39,12 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
 
     metrics = getattr(getattr(app, "state", None), "metrics", None)
     on_stall = metrics.stalled.inc if metrics is not None else None
-    on_too_large = metrics.errors.labels(kind="too_large").inc if metrics is not None else None
-    # per-message deflate is off: PCM barely compresses, and it cost ~10 % of the CPU of 32 streams.
+    on_too_large = metrics.errors.labels(kind=ErrorKind.TOO_LARGE).inc if metrics is not None else None
+    # per-message deflate is off: PCM barely compresses, and compressing costs CPU the streams need.
     # Keepalive pings without a pong deadline: while a stream is held back (its audio waits for
-    # inference), uvicorn stops reading its socket and cannot see pongs, so a deadline closed busy
-    # streams with a misleading 1011 "keepalive ping timeout" (soak at overload). Dead peers are
-    # still found: by idle_timeout_s while reading, by the stall guard while output waits.
+    # inference), uvicorn stops reading its socket and cannot see pongs, so a deadline would close
+    # busy streams with a misleading 1011 "keepalive ping timeout". Dead peers are still found: by
+    # idle_timeout_s while reading, by the stall guard while output waits.
     options = dict(host=host, port=port, ws_max_size=settings.max_message_bytes + 65536, ws_ping_timeout=None,
                    log_level="info", ws_per_message_deflate=False, log_config=log_config(),
                    timeout_graceful_shutdown=settings.drain_timeout_s, proxy_headers=False, server_header=False,
@@ -62,6 +66,18 @@ class Server(uvicorn.Server):
             server.close()
         await drain(self.app, self.app.state.settings.drain_timeout_s)
         await super().shutdown(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            scheduler = self.app.state.scheduler
+            host = self.config.host
+            port = sockets[0].getsockname()[1] if sockets else self.config.port
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+            cap = scheduler.capacity
+            log.info("ready: demo at %s; provider %s, %d worker(s), capacity %d live stream(s) (%s)", url,
+                     scheduler.enhancer.provider, len(scheduler.workers), cap.streams,
+                     "measured" if cap.calibrated else "fixed")
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from enhancer.devices import DEVICES
+from enhancer.signal import MAX_CHANNELS
 
 API_KEY_ENV = "TIM_ENHANCER_API_KEY"
 CORS_ENV = "TIM_ENHANCER_CORS_ORIGINS"
@@ -76,8 +77,8 @@ class Settings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.max_channels > 64:
-            raise ValueError(f"max_channels must be <= 64, got {self.max_channels}")
+        if self.max_channels > MAX_CHANNELS:
+            raise ValueError(f"max_channels must be <= {MAX_CHANNELS}, got {self.max_channels}")
         for name in ("max_duration_s", "rest_chunk_s", "max_stream_s", "idle_timeout_s", "max_buffered_s",
                      "drain_timeout_s", "max_messages_per_s"):
             v = getattr(self, name)

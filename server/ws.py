@@ -31,17 +31,16 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from enhancer.config import SAMPLE_RATE
+from enhancer.cursor import StepFrame, delay_at
 
 from .aio import timeout as _timeout
-from .audio_io import ENCODINGS, decode_pcm, encode_pcm
+from .audio_io import decode_pcm, encode_pcm
 from .commands import Delivery
-from .errors import ServiceError, too_large
-from .scheduler import Job
+from .errors import ErrorKind, ServiceError, too_large
+from .jobs import Job
+from .messages import Source, StartMessage, event_message
 
 log = logging.getLogger("tim_enhancer.server")
-
-DEFAULT_START = {"sample_rate": SAMPLE_RATE, "encoding": "pcm_s16le", "channels": 1, "atten_lim_db": None, "metadata": False}
 
 router = APIRouter()
 
@@ -62,18 +61,19 @@ async def stream(ws: WebSocket) -> None:
     try:
         if ws.app.state.draining:
             raise _Drain()
-        if ws.app.state.scheduler.live_full:  # refused at the handshake: no need to wait for the start message
-            raise ws.app.state.scheduler.over_capacity("stream")
+        admission = ws.app.state.scheduler.admission
+        if admission.live_full:  # refused at the handshake: no need to wait for the start message
+            raise admission.over_capacity(Source.STREAM)
         await session.run()
     except ServiceError as e:
         await session.fail(e)
     except _Drain:
-        await session.fail(ServiceError("shutting_down", "the server is shutting down; reconnect"))
+        await session.fail(ServiceError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; reconnect"))
     except _Closed:
         pass
-    except Exception:  # noqa: BLE001 - a bug: report it as internal and keep serving
+    except Exception:  # a bug: report it as internal and keep serving
         log.exception("websocket stream failed")
-        await session.fail(ServiceError("internal", "internal error; the stream was closed"))
+        await session.fail(ServiceError(ErrorKind.INTERNAL, "internal error; the stream was closed"))
     finally:
         session.cleanup()
         ws.app.state.sessions.discard(session)
@@ -123,18 +123,18 @@ class StreamSession:
         s = self.settings
         first = await self._receive()
         if "text" in first:
-            params = self._start_params(first["text"])
+            start = StartMessage.from_text(first["text"])
             first = None
         else:
-            params = dict(DEFAULT_START)
-        self.encoding = params["encoding"]
-        self.channels = params["channels"]
-        self.job = self.scheduler.open(params["sample_rate"], params["channels"], params["atten_lim_db"],
-                                       params["metadata"], "stream")
+            start = StartMessage()
+        self.encoding = start.encoding
+        self.channels = start.channels
+        self.job = self.scheduler.open(start.sample_rate, start.channels, start.atten_lim_db, start.metadata,
+                                       Source.STREAM)
         self.rate = self.job.sample_rate
         self.max_samples = int(s.max_stream_s * self.rate)
         self.max_buffered = max(int(s.max_buffered_s * self.rate), 1)
-        await self._send_json(self._ready_message(params))
+        await self._send_json(self._ready_message(start))
         self.writer = asyncio.create_task(self._write())
         message = first
         try:
@@ -167,7 +167,7 @@ class StreamSession:
         except (asyncio.TimeoutError, TimeoutError):
             if self.draining:
                 raise _Drain() from None
-            raise ServiceError("idle_timeout", f"no message for {self.settings.idle_timeout_s:g} s; "
+            raise ServiceError(ErrorKind.IDLE_TIMEOUT, f"no message for {self.settings.idle_timeout_s:g} s; "
                                "closing the stream") from None
         except (WebSocketDisconnect, RuntimeError):
             raise _Closed() from None
@@ -192,42 +192,17 @@ class StreamSession:
         self._tokens = min(self._burst, self._tokens + (now - self._refilled) * rate)
         self._refilled = now
         if self._tokens < 1.0:
-            raise ServiceError("rate_limited", f"more than {rate:g} messages per second; send fewer, larger "
+            raise ServiceError(ErrorKind.RATE_LIMITED, f"more than {rate:g} messages per second; send fewer, larger "
                                "messages (20 ms of audio or more each)")
         self._tokens -= 1.0
 
-    def _start_params(self, text: str) -> dict:
-        msg = _parse_json(text)
-        if not isinstance(msg, dict) or msg.get("type", "start") != "start":
-            raise ServiceError("bad_request", 'the first text message must be the start message, a JSON object like '
-                               '{"sample_rate": 48000, "encoding": "pcm_s16le", "channels": 1}')
-        unknown = sorted(set(msg) - set(DEFAULT_START) - {"type"})
-        if unknown:
-            raise ServiceError("invalid_parameter", f"unknown start field(s) {', '.join(unknown)}; "
-                               f"known: {', '.join(DEFAULT_START)}")
-        params = DEFAULT_START | {k: v for k, v in msg.items() if k != "type"}
-        if params["encoding"] not in ENCODINGS:
-            raise ServiceError("unsupported_media", f"encoding {params['encoding']!r} is not supported; "
-                               f"use one of {', '.join(ENCODINGS)}")
-        if not isinstance(params["metadata"], bool):
-            raise ServiceError("invalid_parameter", f"metadata must be true or false, got {params['metadata']!r}")
-        for name in ("sample_rate", "channels"):
-            if not isinstance(params[name], int) or isinstance(params[name], bool):
-                raise ServiceError("invalid_parameter", f"{name} must be an integer, got {params[name]!r}")
-        atten = params["atten_lim_db"]
-        if atten is not None and (not isinstance(atten, (int, float)) or isinstance(atten, bool)):
-            raise ServiceError("invalid_parameter", f"atten_lim_db must be a number or null, got {atten!r}")
-        return params
-
-    def _ready_message(self, params: dict) -> dict:
+    def _ready_message(self, start: StartMessage) -> dict:
         cfg = self.scheduler.enhancer.config
-        model_rate = cfg.stft.sample_rate
         return {
             "type": "ready", "sample_rate": self.rate, "encoding": self.encoding, "channels": self.channels,
-            "atten_lim_db": params["atten_lim_db"], "metadata": params["metadata"],
-            "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / model_rate,
-            "delay_samples": round(cfg.delay_samples * self.rate / model_rate),
-            "max_message_bytes": self.settings.max_message_bytes,
+            "atten_lim_db": start.atten_lim_db, "metadata": start.metadata,
+            "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
+            "delay_samples": delay_at(cfg, self.rate), "max_message_bytes": self.settings.max_message_bytes,
         }
 
     async def _audio(self, data: bytes) -> None:
@@ -237,7 +212,7 @@ class StreamSession:
             return
         self.samples_in += n
         if self.samples_in > self.max_samples:
-            raise ServiceError("too_long", f"the stream is over the limit of {self.settings.max_stream_s:g} s of audio")
+            raise ServiceError(ErrorKind.TOO_LONG, f"the stream is over the limit of {self.settings.max_stream_s:g} s of audio")
         while self.buffered >= self.max_buffered:  # inference is behind: stop reading until it catches up
             self.drained.clear()
             await self._wait_drained()
@@ -259,8 +234,8 @@ class StreamSession:
         if isinstance(msg, dict) and msg.get("type") == "end":
             return True
         if isinstance(msg, dict) and msg.get("type", "start") == "start":
-            raise ServiceError("bad_request", "the start message must be the first message of the stream")
-        raise ServiceError("unsupported_media", "text messages carry JSON control messages ({\"type\": \"end\"}) "
+            raise ServiceError(ErrorKind.BAD_REQUEST, "the start message must be the first message of the stream")
+        raise ServiceError(ErrorKind.UNSUPPORTED_MEDIA, "text messages carry JSON control messages ({\"type\": \"end\"}) "
                            "only; send audio as binary messages")
 
     # ------------------------------------------------------------------ writing
@@ -273,7 +248,7 @@ class StreamSession:
                 return
             self._acknowledge(d.acked)
             if d.audio.shape[0] and not np.isfinite(d.audio).all():  # output guard: never send NaN/Inf
-                await self.fail(ServiceError("internal", "the enhancement produced invalid samples; the stream "
+                await self.fail(ServiceError(ErrorKind.INTERNAL, "the enhancement produced invalid samples; the stream "
                                              "was closed"))
                 return
             if d.audio.shape[0]:
@@ -282,7 +257,7 @@ class StreamSession:
             if d.frames:
                 await self._send_json(self._metadata_message(d.frames))
             for event in d.events:  # "late", "on_time", "gap" (README: Capacity, admission and lateness)
-                await self._send_json(event)
+                await self._send_json(event_message(event))
             if d.final:
                 if self.draining:
                     await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown"})
@@ -297,18 +272,16 @@ class StreamSession:
             self.buffered -= self.in_flight.popleft()[1]
         self.drained.set()
 
-    def _metadata_message(self, frames) -> dict:
-        cfg = self.scheduler.enhancer.config
-        hop, delay, rate = cfg.stft.hop, cfg.delay_samples, cfg.stft.sample_rate
+    @staticmethod
+    def _metadata_message(frames: list[StepFrame]) -> dict:
         out = []
-        for index, comp, act in frames:
-            start = index * hop - delay  # first output sample (model rate) of this frame's hop
-            if start < 0:
+        for frame in frames:
+            if frame.time_s is None:
                 continue  # frames that only fill the model's delay
-            f = {"frame": int(index), "time_s": round(start / rate, 4),
-                 "activity": np.round(act.astype(float), 4).tolist()}
-            if comp is not None:
-                f["competition"] = np.round(comp.astype(float), 4).tolist()  # (channels, tim_layers, mechanisms)
+            f = {"frame": int(frame.index), "time_s": round(frame.time_s, 4),
+                 "activity": np.round(frame.activity.astype(float), 4).tolist()}
+            if frame.competition is not None:  # (channels, tim_layers, mechanisms)
+                f["competition"] = np.round(frame.competition.astype(float), 4).tolist()
             out.append(f)
         return {"type": "metadata", "frames": out}
 
@@ -316,13 +289,13 @@ class StreamSession:
     async def _send_bytes(self, data: bytes) -> None:
         try:
             await self.ws.send_bytes(data)
-        except Exception:  # noqa: BLE001 - the client is gone
+        except Exception:  # whatever the transport raises: the client is gone
             raise _Closed() from None
 
     async def _send_json(self, msg: dict) -> None:
         try:
             await self.ws.send_text(json.dumps(msg, separators=(",", ":")))
-        except Exception:  # noqa: BLE001
+        except Exception:  # whatever the transport raises: the client is gone
             raise _Closed() from None
 
     async def fail(self, err: ServiceError) -> None:
@@ -346,7 +319,7 @@ class StreamSession:
         if self.ws.application_state == WebSocketState.CONNECTED:
             try:
                 await self.ws.close(code, reason[:120])
-            except Exception:  # noqa: BLE001
+            except Exception:  # the connection is gone already: nothing left to close
                 pass
 
     def cleanup(self) -> None:

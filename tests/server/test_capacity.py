@@ -20,7 +20,8 @@ from server import capacity as calibration
 from server.metrics import Metrics
 from server.settings import Settings
 from server.commands import Open, Push
-from server.worker import Worker, _Stream
+from server.streams import StreamState
+from server.worker import Worker
 from tests.conftest import speechlike
 from tests.tolerance import assert_close_to_peak
 
@@ -115,7 +116,7 @@ def test_open_refuses_at_the_start_message_when_capacity_is_taken_meanwhile(live
             with connect(live_cap.ws_url) as c:
                 c.send(json.dumps({"sample_rate": 16000}))
                 assert json.loads(c.recv(timeout=10))["type"] == "ready"
-                assert sched.live_full
+                assert sched.admission.live_full
                 b.send(json.dumps({"sample_rate": 16000}))
                 err = json.loads(b.recv(timeout=10))
                 assert err["kind"] == "over_capacity" and err["capacity"] == 2, err
@@ -145,19 +146,19 @@ def test_files_only_use_the_lanes_and_time_live_streams_leave(enhancer_rt):
     s = Settings.build(capacity_margin=0.5)
     live = {"lanes": 0}
     w = Worker(0, enhancer_rt, 16, Metrics(), settings=s, service_live=lambda: live["lanes"])
-    w.capacity = 4
-    files = [SimpleNamespace(se=SimpleNamespace(channels=c)) for c in (2, 1, 2)]
+    w.ledger.capacity = 4
+    files = [SimpleNamespace(channels=c) for c in (2, 1, 2)]
     now = time.perf_counter()
-    assert w._files(files, False, now)[0] == files  # no live stream anywhere: no limit
-    w.live_lanes = live["lanes"] = 2
-    assert w._files(files, True, now)[0] == files[:1]  # 2 lanes left: the 2-channel file only
-    w.live_lanes = live["lanes"] = 4
-    assert w._files(files, True, now)[0] == []  # live streams hold the capacity: files wait
-    w.live_lanes, live["lanes"] = 0, 3  # live streams on another worker: a duty cycle
-    w._credit, w._credit_t = -0.004, now
-    allowed, wait = w._files(files, False, now)
+    assert w.files.allowed(files, False, now)[0] == files  # no live stream anywhere: no limit
+    w.ledger.live = live["lanes"] = 2
+    assert w.files.allowed(files, True, now)[0] == files[:1]  # 2 lanes left: the 2-channel file only
+    w.ledger.live = live["lanes"] = 4
+    assert w.files.allowed(files, True, now)[0] == []  # live streams hold the capacity: files wait
+    w.ledger.live, live["lanes"] = 0, 3  # live streams on another worker: a duty cycle
+    w.files.credit, w.files.credit_t = -0.004, now
+    allowed, wait = w.files.allowed(files, False, now)
     assert allowed == [] and wait == pytest.approx(0.008, rel=0.01)
-    assert w._files(files, False, now + 0.009)[0] == files
+    assert w.files.allowed(files, False, now + 0.009)[0] == files
 
 
 # ---------------------------------------------------------------------------------- calibration
@@ -230,25 +231,25 @@ def test_settings_validate_capacity_and_lateness():
 def test_lateness_notices_behind_then_on_time(enhancer_rt):
     w = Worker(0, enhancer_rt, 4, Metrics(), settings=Settings.build(lateness_budget_ms=40, max_lateness_ms=200))
     job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=16000)
-    st = _Stream(job, SimpleNamespace(channels=1, min_gain=0.0))
+    st = StreamState(job, SimpleNamespace(channels=1, min_gain=0.0))
     st.due = 10.0
-    w._lateness(st, 10.010)
+    w.lateness.observe(st, 10.010)
     assert st.events == []
-    w._lateness(st, 10.050)
-    w._lateness(st, 10.090)  # told once per episode
-    assert [e["type"] for e in st.events] == ["late"] and st.events[0]["budget_ms"] == 40.0
-    w._lateness(st, 10.030)  # under the budget but not yet under half of it
-    w._lateness(st, 10.010)
-    assert [e["type"] for e in st.events] == ["late", "on_time"]
+    w.lateness.observe(st, 10.050)
+    w.lateness.observe(st, 10.090)  # told once per episode
+    assert [e.type for e in st.events] == ["late"] and st.events[0].budget_ms == 40.0
+    w.lateness.observe(st, 10.030)  # under the budget but not yet under half of it
+    w.lateness.observe(st, 10.010)
+    assert [e.type for e in st.events] == ["late", "on_time"]
 
 
 def test_due_time_ignores_clients_faster_than_real_time():
     job = SimpleNamespace(source="stream", id=1)
-    st = _Stream(job, SimpleNamespace(channels=1, min_gain=0.0))
-    st.note_push(100, 5.0)  # 1.6 s of audio at once: hop h is due h hops after the first arrival
-    assert st.due_time(0, HOP_S) == 5.0 and st.due_time(50, HOP_S) == pytest.approx(5.8)
-    st.note_push(1, 20.0)  # after a pause: due when it arrived
-    assert st.due_time(100, HOP_S) == 20.0
+    st = StreamState(job, SimpleNamespace(channels=1, min_gain=0.0))
+    st.arrivals.note_push(100, 5.0)  # 1.6 s of audio at once: hop h is due h hops after the first arrival
+    assert st.arrivals.due_time(0, HOP_S) == 5.0 and st.arrivals.due_time(50, HOP_S) == pytest.approx(5.8)
+    st.arrivals.note_push(1, 20.0)  # after a pause: due when it arrived
+    assert st.arrivals.due_time(100, HOP_S) == 20.0
 
 
 def stream_in_real_time(srv, x, sr: int, chunk: int):
@@ -327,36 +328,36 @@ def test_backlog_of_a_late_stream_is_one_multi_frame_call_equal_to_hop_by_hop(en
     def worker_with(arrived):
         w = Worker(0, enhancer_rt, 4, Metrics(), settings=Settings.build(lateness_budget_ms=40, max_lateness_ms=5000))
         job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=sr, metadata=False)
-        w._apply(Open(job, None))
-        w._apply(Push(job, x, arrived, 1))
+        w.apply(Open(job, None))
+        w.apply(Push(job, x, arrived, 1))
         return w, w.streams[1]
 
     late_w, late = worker_with(time.perf_counter() - 0.5)
     calls = []
     real_run = late_w.pool.run
     monkeypatch.setattr(late_w.pool, "run", lambda lanes, hops, g: calls.append(hops.shape) or real_run(lanes, hops, g))
-    ready = late.se.ready_hops()
+    ready = late.cursor.ready_hops()
     assert ready >= 10
-    late_w._round()
-    assert calls == [(1, ready, hop)] and late.steps == ready and late.se.ready_hops() == 0
-    assert [e["type"] for e in late.events] == ["late"] and late.events[0]["lateness_ms"] >= 400
+    late_w.batcher.round()
+    assert calls == [(1, ready, hop)] and late.steps == ready and late.cursor.ready_hops() == 0
+    assert [e.type for e in late.events] == ["late"] and late.events[0].lateness_ms >= 400
 
     now_w, now = worker_with(time.perf_counter() + 100.0)  # due in the future: never late, one hop per round
     for _ in range(ready):
-        now_w._round()
+        now_w.batcher.round()
     assert now.steps == ready and not now.events
-    assert_close_to_peak(late.se.pull(), now.se.pull())
+    assert_close_to_peak(late.cursor.pull(), now.cursor.pull())
 
 
 @pytest.mark.parametrize("live_slow", [60_000.0], ids=["no-skip"], indirect=True)
 def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_slow, enhancer_rt, monkeypatch):
     """Batched one-hop steps take 40 ms (2.5 hops) for 0.6 s, so a real-time stream falls behind
-    the 40 ms budget: it is told "late", its backlog runs several hops per call (`_run_backlog`),
+    the 40 ms budget: it is told "late", its backlog runs several hops per call (`Batcher.run_backlog`),
     nothing is skipped (the skip threshold is far), and the output equals offline enhancement."""
     srv = live_slow
     worker = srv.scheduler.workers[0]
     pool = worker.pool
-    real_step, real_backlog = pool.step, worker._run_backlog
+    real_step, real_backlog = pool.step, worker.batcher.run_backlog
     slow_until = []  # batched steps are slow for 0.6 s from the first one, then the machine is fast again
     backlog_hops = []
 
@@ -375,7 +376,7 @@ def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_slow, enhanc
     sr, seconds, chunk = 16000, 3.0, 256
     x = speechlike(int(seconds * sr), sr, seed=23)[:, None]
     monkeypatch.setattr(pool, "step", slow_step)
-    monkeypatch.setattr(worker, "_run_backlog", backlog)
+    monkeypatch.setattr(worker.batcher, "run_backlog", backlog)
     y, texts = stream_in_real_time(srv, x, sr, chunk)
     monkeypatch.undo()
     kinds = [t["type"] for t in texts]
@@ -398,3 +399,39 @@ async def _stream_at_once(url, x, sr):
             else:
                 texts.append(json.loads(m))
         return np.concatenate(out), texts, ws.close_code
+
+
+# ---------------------------------------------------------------------------------- operator logs
+def test_admission_logs_the_capacity_and_each_refusal(caplog):
+    from server.admission import Admission, LaneLedger
+    from server.errors import ServiceError
+    from server.messages import Source
+
+    adm = Admission(Settings.build(max_streams=4, max_rest_jobs=1), Metrics())
+    with caplog.at_level("INFO", logger="tim_enhancer.server"):
+        adm.set_capacity(calibration.fixed(1, 1, 4, HOP_S, 0.4), [LaneLedger(size=8, capacity=8, free=8)])
+        ledger = adm.ledgers[0]
+        assert adm.admit(Source.STREAM, 1) == 0 and ledger.live == 1 and ledger.free == 7
+        with pytest.raises(ServiceError) as refused:
+            adm.admit(Source.STREAM, 1)
+    assert refused.value.close_code == 1013 and refused.value.kind == "over_capacity"
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert any(m.startswith("capacity: 1 live stream(s) (fixed") for m in messages), messages
+    assert any("refused a live stream (1013)" in m for m in messages), messages
+    adm.release(ledger, Source.STREAM, 1)
+    assert ledger.live == 0 and ledger.free == 8 and adm.streams == 0
+
+
+def test_server_logs_when_ready_with_the_demo_url(model_path, caplog):
+    with caplog.at_level("INFO", logger="tim_enhancer.server"):
+        srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=3)))
+    try:
+        deadline = time.time() + 5  # logged right after uvicorn's start-up, which the fixture waits for
+        while not (ready := [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready:")]):
+            if time.time() > deadline:
+                break
+            time.sleep(0.02)
+        assert len(ready) == 1 and f"http://127.0.0.1:{srv.port}/" in ready[0], ready
+        assert "CPUExecutionProvider" in ready[0] and "1 worker(s), capacity 3 live stream(s) (fixed)" in ready[0]
+    finally:
+        srv.stop()

@@ -324,7 +324,7 @@ def _lanes_of(srv, job_id: int) -> set[int]:
     for w in srv.scheduler.workers:
         st = w.streams.get(job_id)
         if st is not None:
-            return {int(x) for x in st.se.lanes}
+            return {int(x) for x in st.cursor.lanes}
     return set()
 
 

@@ -39,27 +39,27 @@ def test_worker_applies_typed_commands_and_counts_its_live_lanes(enhancer_rt):
     w = Worker(0, enhancer_rt, 8, Metrics())
     live, stereo, rest = _job(1), _job(2, channels=2), _job(3, "rest", 2)
     for job in (live, stereo, rest):
-        w._apply_one(Open(job, None))
+        w.apply(Open(job, None))
     assert set(w.streams) == {1, 2, 3} and w.live_lanes == 3  # files do not count
     assert w.pool.n_free == 8 - 5
-    w._apply_one(Push(live, speechlike(1000), 12.5, 1))
+    w.apply(Push(live, speechlike(1000), 12.5, 1))
     st = w.streams[1]
-    assert st.se.ready_hops() == 1000 // 256 and st.acked == 1 and st.first_arrival == 12.5
-    w._apply_one(End(live, 1))
+    assert st.cursor.ready_hops() == 1000 // 256 and st.acked == 1 and st.arrivals.first_arrival == 12.5
+    w.apply(End(live, 1))
     assert st.flushing and st.acked == 1
-    w._apply_one(Close(stereo))
+    w.apply(Close(stereo))
     assert set(w.streams) == {1, 3} and w.live_lanes == 1 and w.pool.n_free == 8 - 3
-    w._apply_one(Close(stereo))  # closed already: nothing happens
-    w._apply_one(Close(live))
-    w._apply_one(Close(rest))
+    w.apply(Close(stereo))  # closed already: nothing happens
+    w.apply(Close(live))
+    w.apply(Close(rest))
     assert not w.streams and w.live_lanes == 0 and w.pool.n_free == 8
 
 
 def test_a_stream_that_fails_leaves_the_live_count(enhancer_rt):
     w, posted = Worker(0, enhancer_rt, 4, Metrics()), []
     job = _job(1, posted=posted)
-    w._apply_one(Open(job, None))
-    w._apply_one(Push(job, np.full(300, np.nan, np.float32), 0.0, 1))  # invalid audio: the stream fails
+    w.apply(Open(job, None))
+    w.apply(Push(job, np.full(300, np.nan, np.float32), 0.0, 1))  # invalid audio: the stream fails
     assert not w.streams and w.live_lanes == 0 and w.pool.n_free == 4
     (failed, delivery), = posted
     assert failed is job and delivery.final and delivery.error.kind == "invalid_audio"
@@ -85,19 +85,19 @@ def test_scheduler_reserves_lanes_on_the_loop_and_restores_the_switch_interval(m
     s.start()
     try:
         assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
-        assert [ledger.capacity for ledger in s.lanes] == [2, 2]
+        assert [ledger.capacity for ledger in s.ledgers] == [2, 2]
 
         async def admit():
             jobs = [s.open(16000, 1), s.open(16000, 2), s.open(16000, 1, source="rest")]
-            placed = [(job.worker.index, job.lanes.live, job.lanes.free) for job in jobs]
+            placed = [(job.worker.index, job.ledger.live, job.ledger.free) for job in jobs]
             for job in jobs:
                 job.close()
             return placed
 
         placed = asyncio.run(admit())
         assert placed[0][0] != placed[1][0]  # the least loaded worker takes the next stream
-        total = s.lanes[0].lanes
-        assert all(ledger.free == total and ledger.live == 0 for ledger in s.lanes)
+        total = s.ledgers[0].size
+        assert all(ledger.free == total and ledger.live == 0 for ledger in s.ledgers)
     finally:
         s.stop()
     assert sys.getswitchinterval() == pytest.approx(before)

@@ -193,7 +193,7 @@ def test_disconnect_mid_stream_frees_state(live):
     assert live.metrics.stream_seconds._value.get() - audio0 > 0.5 * 200 * 2 * 0.25  # most audio did arrive
     grown = _rss_mb() - rss0
     assert live.scheduler.streams == 0 and not live.scheduler.jobs
-    assert all(ledger.free == ledger.lanes and ledger.live == 0 for ledger in live.scheduler.lanes)
+    assert all(ledger.free == ledger.size and ledger.live == 0 for ledger in live.scheduler.ledgers)
     assert all(w.live_lanes == 0 for w in live.scheduler.workers)
     assert grown < 40, f"memory grew by {grown:.0f} MB over 200 disconnects"
     assert time.time() - t < 60
