@@ -9,17 +9,21 @@
     enhancer-train synth-noise  ...   generated noise and its manifest (the quickstart)
     enhancer-train bench-peers  ...   the model beside peer denoisers (training.peers; a source checkout)
 
-Modules:
-    data in     `manifests` (file lists), `layouts` (corpus / DNS-Challenge / Voicebank+DEMAND
-                folders), `holdout` (sources kept out of training whole), `audio_cache` (decode and
-                resample once; `read16k` for scoring), `synth_noise`
-    examples    `mixing` (one noisy/clean example), `augment` (reverb, EQ, speed, band limits,
-                clipping, procedural noise), `data` (example streams and the fixed validation set)
-    training    `fit` (the command), `loop` (the trainer), `objective` (the loss), `checkpoints`,
-                `distributed`, `progress`, `devscore` (dev-set scoring during training)
-    scoring     `metrics` (PESQ-WB, STOI, ESTOI, SI-SDR and the labels of every report), `dnsmos`,
-                `evaluate`, `devnames` (dev-set file names), `devset`
-    reports     `plots`, `competition`, `ablation`
-    wiring      `cli` (sub-commands only), `defaults` (paths beside the checkout)
-    harness     `peers/` (the side-by-side benchmark; not installed with the package)
+Layout (the loop and the commands on top, the sub-packages below them; no sub-package imports the
+modules above it):
+    data/         `manifests` (file lists), `layouts` (corpus / DNS-Challenge / Voicebank+DEMAND
+                  folders), `holdout` (sources kept out of training whole), `audio_cache` (decode and
+                  resample once; `read16k` for scoring), `shards` (`pack`), `synth_noise`, `mixing`
+                  (one noisy/clean example), `augment`, `synthesis` (example streams, `MixConfig`,
+                  the fixed validation set), `feeder` (batches made ahead by worker processes)
+    losses/       `objective` (the loss, `LossConfig`), `perceptual` (the P.862 disturbance term)
+    evaluation/   `metrics` (PESQ-WB, STOI, ESTOI, SI-SDR and the labels of every report), `dnsmos`,
+                  `evaluate`, `devnames`, `devset`, `devscore` (dev-set scoring during training),
+                  `plots`, `competition`, `ablation`
+    peers/        the side-by-side benchmark (not installed with the package)
+    training      `options` (`FitOptions` and the flags of `fit`), `fit` (the command), `loop` (the
+                  trainer), `prepare` (its settings, data, model and dev scorer), `resume`,
+                  `runfolder` (config.json, train.json, metrics.csv), `checkpoints`, `precision`,
+                  `distributed`, `progress`, `benchfit`, `average`
+    wiring        `cli` (sub-commands only), `defaults` (paths beside the checkout)
 """

@@ -42,8 +42,8 @@ def cmd_bench_fit(args) -> int:
 
     from enhancer import build_model, load_checkpoint
 
-    from .loop import allow_tf32, autocast_for, choose_precision
     from .losses.objective import batch_loss
+    from .precision import allow_tf32, autocast_for, choose_precision
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,8 +97,8 @@ def cmd_bench_fit(args) -> int:
               f"audio-s/s" + (f", {row['max_memory_gib']:.1f} GiB" if "max_memory_gib" in row else ""), flush=True)
     result = {"device": name, "precision": precision, "compiled": args.compile, "model": rows}
     if args.shards:
-        from .data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
         from .data.shards import packed_layout
+        from .data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
 
         data = packed_layout([Path(f) for f in args.shards.split(",") if f], log=lambda *_: None)
         a = data.audio

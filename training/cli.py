@@ -26,18 +26,18 @@ import sys
 
 from enhancer.errors import EnhancerError
 
-from .evaluation.ablation import add_ablation
 from .average import add_average
-from .evaluation.competition import add_competition
-from .defaults import Defaults
-from .evaluation.devset import add_devset
-from .evaluation.evaluate import add_eval
-from .fit import add_fit
-from .data.manifests import DataError
-from .evaluation.plots import add_plot
 from .benchfit import add_bench_fit
+from .data.manifests import DataError
 from .data.shards import add_pack
 from .data.synth_noise import add_synth_noise
+from .defaults import Defaults
+from .evaluation.ablation import add_ablation
+from .evaluation.competition import add_competition
+from .evaluation.devset import add_devset
+from .evaluation.evaluate import add_eval
+from .evaluation.plots import add_plot
+from .fit import add_fit
 
 
 def add_bench_peers(sub) -> None:

@@ -8,17 +8,17 @@ import pytest
 import soundfile as sf
 
 from tests.conftest import speechlike
+from training.cli import main as train_main
 from training.data import augment
 from training.data.audio_cache import AudioSet
-from training.cli import main as train_main
-from training.fit import parse_mix_settings
-from training.data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
-from training.evaluation.devscore import DevScore
 from training.data.holdout import UNSEEN_SOURCES, split_unseen
 from training.data.layouts import corpus_layout
-from training.loop import cosine_lr
 from training.data.manifests import Item
 from training.data.mixing import active_rms
+from training.data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
+from training.evaluation.devscore import DevScore
+from training.fit import parse_mix_settings
+from training.loop import cosine_lr
 
 SR = 16000
 

@@ -2,8 +2,8 @@
 import numpy as np
 import soundfile as sf
 
-from training.evaluation.devset import build_devset
 from training.data.mixing import snr_db
+from training.evaluation.devset import build_devset
 
 
 def test_devset_is_reproducible_and_uses_validation_data(corpus, tmp_path):

@@ -16,8 +16,8 @@ import torch
 
 from enhancer import load_checkpoint
 from training.cli import main
-from training.loop import FitOptions, Trainer
 from training.data.layouts import corpus_layout
+from training.loop import FitOptions, Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,10 +8,10 @@ import torch
 from enhancer import ModelConfig
 from tests.conftest import speechlike
 from training.data.audio_cache import AudioSet
-from training.data.synthesis import MixConfig, Synthesizer, validation_set
-from training.losses.objective import band_weight
 from training.data.manifests import Item
 from training.data.mixing import active_rms, fit_length, level_db, mix, snr_db
+from training.data.synthesis import MixConfig, Synthesizer, validation_set
+from training.losses.objective import band_weight
 
 
 @pytest.mark.parametrize("snr", [0.0, 7.5, 25.0, 40.0])

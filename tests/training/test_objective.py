@@ -98,7 +98,7 @@ def test_si_sdr_matches_its_definition():
     scale = torch.tensor([[0.5], [2.0], [7.0]], dtype=torch.float64)
     for snr in (-5.0, 0.0, 20.0):
         gain = (ref.pow(2).sum(-1) / noise.pow(2).sum(-1) / 10 ** (snr / 10)).sqrt()[:, None]
-        got = si_sdr(scale * (ref + gain * noise), ref)  # the scale of the estimate does not matter
+        got = si_sdr(ref, scale * (ref + gain * noise))  # the scale of the estimate does not matter
         assert torch.allclose(got, torch.full((3,), snr, dtype=torch.float64), rtol=1e-6, atol=1e-6 * 20)
 
 

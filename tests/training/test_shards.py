@@ -10,12 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
-from training.data.audio_cache import AudioSet
 from training.cli import main
-from training.data.synthesis import MixConfig, Synthesizer
+from training.data.audio_cache import AudioSet
 from training.data.feeder import BatchFeeder
 from training.data.manifests import DataError, Item
 from training.data.shards import load, pack
+from training.data.synthesis import MixConfig, Synthesizer
 
 from tests.training.test_fit import fit_args, losses
 

@@ -27,9 +27,9 @@ import numpy as np
 from enhancer.config import SAMPLE_RATE
 
 from ..data.audio_cache import cached_audio, stderr_log
-from ..data.synthesis import MixConfig, Synthesizer
 from ..data.layouts import corpus_layout
 from ..data.manifests import DataError
+from ..data.synthesis import MixConfig, Synthesizer
 
 SNRS = (0, 5, 10, 15, 20)
 UNSEEN_SNRS = (-5, 0, 5, 10, 15, 20)

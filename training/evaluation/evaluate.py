@@ -27,11 +27,10 @@ import numpy as np
 from enhancer.config import SAMPLE_RATE
 
 from ..data.audio_cache import read16k
-from .devnames import KINDS, kind_of
 from ..data.layouts import Pair, dns_test_pairs, paired_folders, voicebank_test_pairs
 from ..data.manifests import DataError
+from .devnames import KINDS, kind_of
 from .metrics import DNSMOS_KEYS, INTRUSIVE, LABELS
-
 
 
 # --------------------------------------------------------------------------- models

@@ -40,9 +40,9 @@ def enhance_with_competition(model_path, noisy: np.ndarray):
         enh = Enhancer.from_pretrained(model_path, providers=["CPUExecutionProvider"])
         s = enh.stream(SAMPLE_RATE, 1, metadata=True)
         head = s.feed(noisy)
-        meta = s.pop_metadata()  # one entry per step; flush() below starts a fresh stream
+        meta = s.metadata.pop()  # one entry per step; flush() below starts a fresh stream
         out = np.concatenate([head, s.flush()])
-        comp = None if not meta or meta[0]["competition"] is None else np.stack([m["competition"][0] for m in meta])
+        comp = None if not meta or meta[0].competition is None else np.stack([m.competition[0] for m in meta])
         hop = enh.config.stft.hop
         if comp is not None:  # the stream is delayed by (lookahead + 1) hops: realign to input frames
             comp = comp[enh.config.lookahead:]

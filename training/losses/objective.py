@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from enhancer.config import STFTConfig
-
 from enhancer import ModelConfig
+from enhancer.config import STFTConfig
 from enhancer.model import features
 
 from ..data.synthesis import Synthesizer
@@ -93,7 +92,7 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     if any(waveform):
         est, ref = resynthesise(gains.float() * noisy_spec[:, :t], clean_spec[:, :t], w, cfg.stft)
         if waveform[0]:
-            sums.neg_sisdr = -si_sdr(est, ref).sum()
+            sums.neg_sisdr = -si_sdr(ref, est).sum()
         if waveform[1]:
             sums.mrstft = mrstft_loss(est, ref).sum()
     return sums
@@ -107,8 +106,10 @@ def resynthesise(est_spec: torch.Tensor, clean_spec: torch.Tensor, w: torch.Tens
     return features.istft(est_spec * w, n, cfg), features.istft(clean_spec * w, n, cfg)
 
 
-def si_sdr(est: torch.Tensor, ref: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(B, N) x 2 -> (B,) scale-invariant SDR in dB (Le Roux et al. 2019)."""
+def si_sdr(ref: torch.Tensor, est: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(B, N) reference, (B, N) estimate -> (B,) scale-invariant SDR in dB (Le Roux et al. 2019); the
+    reference first, as in `training.evaluation.metrics.si_sdr` (the score of reports: one signal,
+    both made zero-mean; this one is the differentiable training term, on the band-masked waveforms)."""
     alpha = (est * ref).sum(-1, keepdim=True) / ((ref * ref).sum(-1, keepdim=True) + eps)
     target = alpha * ref
     return 10.0 * torch.log10(((target ** 2).sum(-1) + eps) / (((est - target) ** 2).sum(-1) + eps))
@@ -126,31 +127,57 @@ def mrstft_loss(est: torch.Tensor, ref: torch.Tensor, resolutions=MRSTFT_RESOLUT
     return total / len(resolutions)
 
 
+@dataclass(frozen=True)
+class LossConfig:
+    """The settings of the training objective (`fit`'s loss flags), checked here and only here.
+
+    The loss is the log-magnitude MSE (log(|S| + `loss_floor`), default floor the model's `log_eps`),
+    plus `compressed_weight` times the MSE of power-law-compressed magnitudes (|gain * X|^p against
+    |S|^p, p = `compressed_power`), which weighs the loud bins that carry speech more than the log
+    domain does; plus, on the waveform resynthesised from the gains and the noisy phase (the
+    runtime's overlap-add), `sisdr_weight` times the mean -SI-SDR in dB and `mrstft_weight` times the
+    multi-resolution STFT loss: terms that see what the noisy phase does to the output, which the
+    magnitude terms cannot. `overestimate_weight` (> 1) weighs the magnitude errors of noise left in
+    above those of speech removed (`loss_sums`): PESQ's disturbance model penalises added energy
+    more than missing energy. `pesq_weight` adds that times the mean of a differentiable model of
+    wideband PESQ's disturbance (`training.losses.perceptual`), on the estimated magnitudes; with
+    `pesq_compensate` P.862's own level, frequency-response and gain compensations (ablation only)."""
+
+    loss_floor: float | None = None
+    compressed_weight: float = 0.0
+    compressed_power: float = COMPRESSED_POWER
+    sisdr_weight: float = 0.0
+    mrstft_weight: float = 0.0
+    overestimate_weight: float = 1.0
+    pesq_weight: float = 0.0
+    pesq_compensate: bool = False
+
+    def __post_init__(self):
+        if not self.overestimate_weight > 0.0:
+            raise ValueError(f"overestimate_weight (--overestimate-weight) must be > 0, got {self.overestimate_weight!r}")
+        if not self.pesq_weight >= 0.0:
+            raise ValueError(f"pesq_weight (--pesq-weight) must be >= 0, got {self.pesq_weight!r}")
+
+    def __call__(self, net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor,
+                 autocast) -> torch.Tensor:
+        """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
+        sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, self.loss_floor,
+                         self.compressed_power if self.compressed_weight > 0.0 else None,
+                         (self.sisdr_weight > 0.0, self.mrstft_weight > 0.0), self.overestimate_weight,
+                         self.pesq_weight > 0.0, self.pesq_compensate)
+        return sums.loss(self.compressed_weight, self.sisdr_weight, self.mrstft_weight, self.pesq_weight)
+
+
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
                loss_floor: float | None = None, compressed_weight: float = 0.0,
                compressed_power: float = COMPRESSED_POWER, sisdr_weight: float = 0.0,
                mrstft_weight: float = 0.0, overestimate_weight: float = 1.0, pesq_weight: float = 0.0,
                pesq_compensate: bool = False) -> torch.Tensor:
-    """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`.
-
-    The loss is the log-magnitude MSE, plus `compressed_weight` times the MSE of power-law-compressed
-    magnitudes (|gain * X|^p against |S|^p, p = `compressed_power`), which weighs the loud bins that
-    carry speech more than the log domain does; plus, on the waveform resynthesised from the gains and
-    the noisy phase (the runtime's overlap-add), `sisdr_weight` times the mean -SI-SDR in dB and
-    `mrstft_weight` times the multi-resolution STFT loss: terms that see what the noisy phase does to
-    the output, which the magnitude terms cannot. `overestimate_weight` (> 1) weighs the magnitude errors
-    of noise left in above those of speech removed (`loss_sums`): PESQ's disturbance model penalises
-    added energy more than missing energy. `pesq_weight` adds that times the mean of a differentiable
-    model of wideband PESQ's disturbance (`training.losses.perceptual`), on the estimated magnitudes; with
-    `pesq_compensate` P.862's own level, frequency-response and gain compensations (ablation only)."""
-    if not overestimate_weight > 0.0:
-        raise ValueError(f"overestimate_weight must be > 0, got {overestimate_weight!r}")
-    if not pesq_weight >= 0.0:
-        raise ValueError(f"pesq_weight must be >= 0, got {pesq_weight!r}")
-    sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, loss_floor,
-                     compressed_power if compressed_weight > 0.0 else None, (sisdr_weight > 0.0, mrstft_weight > 0.0),
-                     overestimate_weight, pesq_weight > 0.0, pesq_compensate)
-    return sums.loss(compressed_weight, sisdr_weight, mrstft_weight, pesq_weight)
+    """noisy, clean (B, N) waveforms, bandwidth (B,) -> the scalar loss of `LossConfig` with these
+    settings. `net` may be a DDP wrapper of `core`."""
+    config = LossConfig(loss_floor, compressed_weight, compressed_power, sisdr_weight, mrstft_weight,
+                        overestimate_weight, pesq_weight, pesq_compensate)
+    return config(net, core, noisy, clean, bandwidth, autocast)
 
 
 _PESQ_MODELS: dict = {}
