@@ -1,29 +1,42 @@
 # Two entry points: `make serve` (the service with the shipped model) and `make test`.
+# `make serve` installs only what serving needs (extras cpu,serve: no torch); `make test` adds the
+# rest (train,dev) to the same environment. Each is installed once per pyproject.toml (a stamp in
+# the venv named by its checksum), so `make serve` after `make test` installs nothing.
 # `make bench-peers`: the model next to peer denoisers, in a venv of their own (.venv-peers).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SUM     = $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SERVE_STAMP = $(VENV)/.installed-serve-$(SUM)
+TEST_STAMP  = $(VENV)/.installed-test-$(SUM)
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test bench bench-peers install clean browser
+.PHONY: serve test bench bench-peers install install-serve clean browser
 
-$(STAMP): pyproject.toml
-	@echo "installing tim-enhancer and its dependencies into $(VENV) (editable, extras cpu,serve,train,dev)"
+$(SERVE_STAMP): pyproject.toml
+	@echo "installing tim-enhancer for serving into $(VENV) (editable, extras cpu,serve: no torch)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q numpy==2.4.6
-	$(BIN)/pip install -q -e ".[cpu,serve,train,dev]"
+	$(BIN)/pip install -q -e ".[cpu,serve]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-install: $(STAMP)
+$(TEST_STAMP): $(SERVE_STAMP)
+	@echo "adding the training and test dependencies to $(VENV) (extras train,dev)"
+	$(BIN)/pip install -q -e ".[cpu,serve,train,dev]"
+	touch $@
 
-serve: $(STAMP)
+install-serve: $(SERVE_STAMP)
+
+install: $(TEST_STAMP)
+
+serve: $(SERVE_STAMP)
+	@echo "serving on http://$(HOST):$(PORT)/ (browser demo; REST at /v1/enhance, docs at /docs, health at /healthz)"
 	$(BIN)/enhancer serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP) browser
+test: $(TEST_STAMP) browser
 	$(BIN)/python -m pytest -q
 
 # The browser demo's test needs Chromium: install Debian's package when missing and we are root
@@ -35,7 +48,7 @@ browser:
 		echo "make test: chromium installed at $$(command -v chromium)"; } || \
 		echo "chromium is not installed: the browser demo test will not run"
 
-bench: $(STAMP)
+bench: $(SERVE_STAMP)
 	$(BIN)/enhancer bench
 
 # Peers (the [bench] extra) never enter .venv: they go to .venv-peers, one by one with the core

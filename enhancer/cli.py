@@ -18,6 +18,7 @@ from .devices import DEVICES, check_device, providers_for
 from .errors import EnhancerError
 from .version import __version__
 
+TRAIN_MODULES = ("torch", "onnx", "onnx_ir", "scipy", "pesq", "pystoi", "matplotlib")  # the [train] extra
 THREADS = 1  # onnxruntime intra-op threads of the command line's session (the service's too)
 
 
@@ -305,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         return a.fn(a)
     except (EnhancerError, OSError) as e:  # bad input or usage, unwritable output: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # e.g. --preset / export / a checkpoint in an install without torch
+        extra = " (pip install 'tim-enhancer[train]')" if (e.name or "").split(".")[0] in TRAIN_MODULES else ""
+        print(f"error: this command needs the module {e.name!r}, which is not installed here{extra}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -375,3 +375,13 @@ def test_info_prints_a_summary_for_people_and_json_on_request(model_path, capsys
     assert not out.lstrip().startswith("{")
     assert main(["info", str(model_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["preset"] == "tim"
+
+
+def test_a_command_that_needs_torch_says_so_in_one_line_without_it(monkeypatch, capsys):
+    def no_torch(cfg):  # what build_model raises in an install without the [train] extra
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(enhancer, "build_model", no_torch)
+    assert main(["info", "--preset", "tim"]) == 2
+    assert capsys.readouterr().err == ("error: this command needs the module 'torch', which is not installed here "
+                                       "(pip install 'tim-enhancer[train]')\n")

@@ -3,6 +3,7 @@ install finds the model, and the Docker build context leaves the harness out."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -81,3 +82,95 @@ def test_docker_context_leaves_the_harness_out():
     assert {"server/tools", "training/peers", "tests"} <= ignored
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert not {"server.tools", "training.peers"} & set(cfg["tool"]["setuptools"]["packages"])
+
+
+def test_license_file_is_mit():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "Copyright (c) 2026 tim-enhancer contributors" in text
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "MIT"
+
+
+def _make(*args: str) -> str:
+    r = subprocess.run(["make", "-n", *args], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make here")
+def test_make_serve_installs_only_the_serving_extras_once_and_make_test_adds_the_rest(tmp_path):
+    """`make serve` installs extras cpu,serve (no torch) into the venv, `make test` adds train,dev
+    to the same venv; each once: `make serve` after `make test` installs nothing."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    serving = cfg["dependencies"] + cfg["optional-dependencies"]["cpu"] + cfg["optional-dependencies"]["serve"]
+    assert not [r for r in serving if r.split("=")[0].split("[")[0].lower() in ("torch", "onnx", "scipy", "pesq")]
+    venv = f"VENV={tmp_path / 'venv'}"
+    serve = _make("serve", venv)
+    installs = [ln for ln in serve.splitlines() if "pip install" in ln and " -e " in ln]
+    assert installs and all('".[cpu,serve]"' in ln for ln in installs), serve
+    assert "enhancer serve --host" in serve and "http://127.0.0.1:8000/" in serve
+    test = _make("test", venv, "NO_BROWSER_INSTALL=1")
+    assert '-e ".[cpu,serve]"' in test and '-e ".[cpu,serve,train,dev]"' in test  # the serving set, then the rest
+    assert test.count("-m venv") == 1  # one environment
+    stamps = [ln.split()[-1] for ln in test.splitlines() if ln.startswith("touch ")]
+    assert len(stamps) == 2
+    Path(stamps[0]).parent.mkdir(parents=True)
+    for s in stamps:  # what a real `make test` leaves behind
+        Path(s).touch()
+    assert "pip install" not in _make("serve", venv)  # after `make test`: nothing to install
+    assert "pip install" not in _make("test", venv, "NO_BROWSER_INSTALL=1")
+
+
+_NO_TORCH = """
+import importlib.abc, sys
+BLOCKED = ("torch", "torchaudio", "onnx", "training")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            print(f"BLOCKED IMPORT {name}", file=sys.stderr, flush=True)
+            raise ImportError(f"{name} is blocked: the service must not need it")
+        return None
+sys.meta_path.insert(0, Block())
+from enhancer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_enhancer_serve_answers_healthz_without_torch(tmp_path):
+    """What `make serve` runs, with torch (and onnx, training) unimportable: the service starts with
+    the shipped model and answers /healthz and /readyz, and nothing tries to import them."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in (runtime.MODEL_ENV,)}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _NO_TORCH, "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 "--device", "cpu", "--capacity", "4"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=env)
+    try:
+        deadline, health = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    health = (r.status, r.read())
+                break
+            except OSError:
+                time.sleep(0.3)
+        assert health is not None, log.read_text()[-3000:]
+        assert health[0] == 200 and b'"ok"' in health[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as r:
+            assert r.status == 200 and b'"ready":true' in r.read().replace(b" ", b"")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "BLOCKED IMPORT" not in text and "Traceback" not in text, text[-3000:]
