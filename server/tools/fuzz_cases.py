@@ -105,7 +105,7 @@ def encode_audio(spec: AudioSpec) -> bytes:
         x = np.clip(np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0), -1, 1)
     try:
         sf.write(b, x, spec.rate, format=spec.container, subtype=spec.subtype)
-    except Exception:  # noqa: BLE001 - a combination libsndfile refuses to write: send it as WAV float
+    except Exception:  # a combination libsndfile refuses to write: send it as WAV float
         b = io.BytesIO()
         sf.write(b, x, spec.rate, format="WAV", subtype="FLOAT")
     return b.getvalue()

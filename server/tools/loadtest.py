@@ -194,13 +194,13 @@ class Client:
                     await ws.send(self.chunk_at(k))
                 await ws.send(json.dumps({"type": "end"}))
                 await reader
-        except Exception as e:  # noqa: BLE001 - reported in the summary
+        except Exception as e:  # reported in the summary
             self.error = f"{type(e).__name__}: {e}"
 
     async def _read(self, ws) -> None:
         try:
             await self._read_messages(ws)
-        except Exception as e:  # noqa: BLE001 - the connection ended abnormally: reported in the summary
+        except Exception as e:  # the connection ended abnormally: reported in the summary
             self.error = self.error or f"{type(e).__name__}: {e}"
 
     async def _read_messages(self, ws) -> None:
