@@ -28,7 +28,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TIM_ENHANCER_MODEL=/app/models/tim.onnx
 
 WORKDIR /app
-COPY pyproject.toml README.md* ./
+COPY pyproject.toml README.md* LICENSE ./
 COPY enhancer ./enhancer
 COPY server ./server
 # the package installs the shipped model (models/ -> enhancer/models/) and declares training/ (no torch is installed)
