@@ -5,8 +5,9 @@ one call (the service's batcher) drives each stream through its cursor instead: 
 input hops out (`take_hop`, or `take_hops(n)` for a multi-frame call), each call's result back in
 (`put_output`, `put_outputs`), or hops skipped to catch up (`skip`), and enhanced audio out
 (`pull`). `begin_flush` / `end_flush` frame the hops that finish the stream. Every piece of the
-stream's sample arithmetic lives here: resampling, the model's delay, the padding of the tail, and
-where a hop or a skipped run of hops lands in the output.
+stream's sample arithmetic lives here: resampling, the model's delay, the padding of the tail,
+where a hop or a skipped run of hops lands in the output, and, for a stream above 16 kHz, the upper
+band kept beside the model's (`band="full"`, `enhancer.fullband.HighBand`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 from .config import SAMPLE_RATE, ModelConfig
 from .engine import Engine, LanePool, min_gain_for
 from .errors import AudioError
+from .fullband import DEFAULT_BAND, HighBand, check_band, uses_high_band
 from .signal import MAX_CHANNELS, StreamResampler, check_audio, check_rate
 
 
@@ -69,11 +71,14 @@ class StreamCursor:
     """One stream's buffers and lanes, stepped by its owner (see the module docstring)."""
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1,
-                 atten_lim_db: float | None = None, metadata: bool = False, pool: LanePool | None = None):
+                 atten_lim_db: float | None = None, metadata: bool = False, pool: LanePool | None = None,
+                 band: str = DEFAULT_BAND):
         self.config = engine.config
         self.sample_rate = check_rate(sample_rate)
         self.channels = check_channels(channels)
         self.min_gain = min_gain_for(atten_lim_db)
+        self.band = check_band(band)  # "full": keep the band above 8 kHz (above 16 kHz); "speech": up to 8 kHz
+        self.full_band = uses_high_band(self.band, self.sample_rate, self.config.stft.sample_rate)
         self.gains = np.full(self.channels, self.min_gain, np.float32)  # per lane, for `LanePool.step` / `run`
         self.pool = pool or LanePool(engine, self.channels)
         self.lanes = self.pool.alloc(self.channels)
@@ -85,6 +90,7 @@ class StreamCursor:
         sr, c, model_sr = self.sample_rate, self.channels, self.config.stft.sample_rate
         self._rs_in = StreamResampler(sr, model_sr, c)
         self._rs_out = StreamResampler(model_sr, sr, c)
+        self._high = HighBand(self.config, sr, c, self.min_gain) if self.full_band else None
         self._pending = np.zeros((0, c), dtype=np.float32)  # model-rate input not yet stepped
         self._to_drop = self.config.delay_samples  # leading output samples that are pure delay
         self._ready: list[np.ndarray] = []  # model-rate output, (n, c) each
@@ -108,7 +114,10 @@ class StreamCursor:
         if a.shape[1] != self.channels:
             raise AudioError(f"{name} has {a.shape[1]} channel(s), the stream was opened with {self.channels}")
         self.n_in += a.shape[0]
-        self._append(self._rs_in.process(a))
+        down = self._rs_in.process(a)
+        if self._high is not None:
+            self._high.push(a, down)
+        self._append(down)
 
     def ready_hops(self) -> int:
         """Input hops queued and not yet taken."""
@@ -118,7 +127,10 @@ class StreamCursor:
         """The next input hop as (channels, hop), for `LanePool.step`."""
         hop = self.config.stft.hop
         x, self._pending = self._pending[:hop], self._pending[hop:]
-        return np.ascontiguousarray(x.T)
+        x = np.ascontiguousarray(x.T)
+        if self._high is not None:
+            self._high.take(x[:, None])
+        return x
 
     def take_hops(self, n: int) -> np.ndarray:
         """The next n input hops (n <= `ready_hops()`) as (channels, n, hop), for `LanePool.run`."""
@@ -126,12 +138,17 @@ class StreamCursor:
         if not 0 < n <= self.ready_hops():
             raise ValueError(f"take_hops({n}): {self.ready_hops()} hop(s) ready")
         x, self._pending = self._pending[:n * hop], self._pending[n * hop:]
-        return np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
+        x = np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
+        if self._high is not None:
+            self._high.take(x)
+        return x
 
     # ------------------------------------------------------------------ results
     def put_output(self, out: np.ndarray, competition=None, activity=None) -> None:
         """One step's result for this stream's lanes: out (channels, hop)."""
         self._ready.append(out.T)
+        if self._high is not None:
+            self._high.put(out[:, None], None if activity is None else np.asarray(activity)[:, None])
         self.log.record(self.hops_out, competition, activity)
         self.hops_out += 1
 
@@ -140,6 +157,8 @@ class StreamCursor:
         (channels, n, n_tim, n_s) or None, activity (channels, n) or None."""
         n = out.shape[1]
         self._ready.append(out.transpose(1, 2, 0).reshape(-1, self.channels))
+        if self._high is not None:
+            self._high.put(out, activity)
         for t in range(n):
             self.log.record(self.hops_out + t, None if competition is None else competition[:, t],
                             None if activity is None else activity[:, t])
@@ -152,6 +171,9 @@ class StreamCursor:
         the gap."""
         self.take_hops(k)
         self._ready.append(np.zeros((k * self.config.stft.hop, self.channels), np.float32))
+        if self._high is not None:  # no output, no upper band
+            self._high.put(np.zeros((self.channels, k, self.config.stft.hop), np.float32),
+                           np.zeros((self.channels, k), np.float32))
         first = self.hops_out
         self.hops_out += k
         self.skipped += k
@@ -174,6 +196,8 @@ class StreamCursor:
         if last:
             return y
         y = y[: max(self.n_in - self.n_out, 0)]
+        if self._high is not None:
+            y = self._high.apply(y, self.n_out)
         self.n_out += y.shape[0]
         return y
 
@@ -182,7 +206,10 @@ class StreamCursor:
         """Drain the input resampler and pad zeros so that the hops still to run cover every input
         sample plus the model's delay (`ready_hops()` tells how many; skipped hops count as run)."""
         self._check_open()
-        self._append(self._rs_in.process(np.zeros((0, self.channels), np.float32), last=True))
+        down = self._rs_in.process(np.zeros((0, self.channels), np.float32), last=True)
+        if self._high is not None:
+            self._high.push(np.zeros((0, self.channels), np.float32), down, last=True)
+        self._append(down)
         hop = self.config.stft.hop
         need = self.config.delay_samples + self.n_in_model  # model-rate output covering every input sample
         steps = -(-max(need - self.hops_out * hop, 0) // hop)
@@ -198,6 +225,8 @@ class StreamCursor:
         if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
             out = np.concatenate([out, np.zeros((remaining - out.shape[0], self.channels), np.float32)])
         out = out[:max(remaining, 0)]
+        if self._high is not None:
+            out = self._high.apply(out, self.n_out)
         self.n_out += out.shape[0]
         return out
 

@@ -2,6 +2,7 @@
 
     enh = Enhancer.from_pretrained()                 # the shipped model in models/
     clean = enh.enhance(noisy, 48000)                # (n,) or (n, channels), same shape out
+    speech = enh.enhance(noisy, 48000, band="speech")  # only the model's band (up to 8 kHz)
     s = enh.stream(sample_rate=48000, channels=2)
     out = s.feed(chunk); ...; out_tail = s.flush()   # any chunk size; total out == total in
 
@@ -9,7 +10,9 @@ Every path runs the exported step graph, whose time axis is dynamic: a live stre
 16 ms hop per call (many streams batched in one call by the server's scheduler), while audio that is
 already there -- a file, a block fed at once, a stream's backlog -- goes through in calls of up to
 `OFFLINE_FRAMES` hops, so every weight is read once per chunk instead of once per hop. Both give
-the same output. Per-stream state lives in a `LanePool`: batched cache arrays in which each stream
+the same output. Above 16 kHz the band above 8 kHz is kept (`band="full"`, the default): delay-
+aligned with the enhanced low band and gained per hop by what the model does in its top bins and
+its speech activity (`enhancer.fullband`); `band="speech"` returns the model's band only. Per-stream state lives in a `LanePool`: batched cache arrays in which each stream
 (channel) owns a lane, and a stream's key/value rings are written in place.
 """
 from __future__ import annotations
@@ -23,10 +26,11 @@ from .config import SAMPLE_RATE
 from .cursor import StepLog, StreamCursor
 from .engine import Engine, LanePool, StepResult, min_gain_for
 from .errors import CheckpointError
+from .fullband import BANDS, DEFAULT_BAND
 from .signal import check_audio, check_rate
 
 __all__ = ["Enhancer", "StreamingEnhancer", "StreamCursor", "Engine", "LanePool", "StepResult", "min_gain_for",
-           "default_model_path", "OFFLINE_FRAMES", "DEFAULT_MODEL", "MODELS_DIR", "PACKAGE_MODELS_DIR", "MODEL_ENV"]
+           "default_model_path", "OFFLINE_FRAMES", "BANDS", "DEFAULT_BAND", "DEFAULT_MODEL", "MODELS_DIR", "PACKAGE_MODELS_DIR", "MODEL_ENV"]
 
 PACKAGE_MODELS_DIR = Path(__file__).resolve().parent / "models"  # an installed wheel: enhancer/models/
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # a source checkout: models/ beside enhancer/
@@ -64,12 +68,15 @@ class StreamingEnhancer:
     depend on the chunking. With `metadata=True`, `metadata.pop()` returns each step's
     `StepFrame` (competition and activity) since the last pop.
 
+    Above 16 kHz, `band="full"` (the default) keeps the band above 8 kHz, gained by the model's
+    top-bin gain and speech activity; `band="speech"` gives the model's band only.
+
     A scheduler that steps many streams in one call drives a `StreamCursor` instead (`cursor`).
     """
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
-                 metadata: bool = False, pool: LanePool | None = None):
-        self._cursor = StreamCursor(engine, sample_rate, channels, atten_lim_db, metadata, pool)
+                 metadata: bool = False, pool: LanePool | None = None, band: str = DEFAULT_BAND):
+        self._cursor = StreamCursor(engine, sample_rate, channels, atten_lim_db, metadata, pool, band)
         self.frames_per_call = OFFLINE_FRAMES
 
     @property
@@ -88,6 +95,10 @@ class StreamingEnhancer:
     @property
     def channels(self) -> int:
         return self._cursor.channels
+
+    @property
+    def band(self) -> str:
+        return self._cursor.band
 
     @property
     def pool(self) -> LanePool:
@@ -178,15 +189,18 @@ class Enhancer:
         return self.config.algorithmic_latency_ms
 
     def stream(self, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
-               metadata: bool = False, pool: LanePool | None = None) -> StreamingEnhancer:
-        return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool)
+               metadata: bool = False, pool: LanePool | None = None, band: str = DEFAULT_BAND) -> StreamingEnhancer:
+        """A stream (see `StreamingEnhancer`); `band`: "full" (default) or "speech"."""
+        return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool, band)
 
-    def enhance(self, audio, sample_rate: int, atten_lim_db: float | None = None, chunk_seconds: float = 10.0) -> np.ndarray:
-        """Enhance a whole signal: (n,) or (n, channels) at any rate -> the same shape and rate."""
+    def enhance(self, audio, sample_rate: int, atten_lim_db: float | None = None, chunk_seconds: float = 10.0,
+                band: str = DEFAULT_BAND) -> np.ndarray:
+        """Enhance a whole signal: (n,) or (n, channels) at any rate -> the same shape and rate.
+        Above 16 kHz `band="full"` (default) keeps the band above 8 kHz, `band="speech"` does not."""
         a = check_audio(audio)
         sr = check_rate(sample_rate)
         channels = 1 if a.ndim == 1 else a.shape[1]
-        s = self.stream(sr, channels, atten_lim_db)
+        s = self.stream(sr, channels, atten_lim_db, band=band)
         step = max(1, int(chunk_seconds * sr))
         parts = [s.feed(a[i:i + step]) for i in range(0, a.shape[0], step)]
         parts.append(s.flush())
