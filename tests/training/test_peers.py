@@ -274,3 +274,44 @@ def test_reports_break_down_by_noise_kind(tmp_path):
     assert noisy["by_kind"]["music"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)  # noisy == clean here
     assert "| Peer | music PESQ-WB | music STOI | babble PESQ-WB | babble STOI | real PESQ-WB | real STOI |" in \
         paths["md"].read_text()
+
+
+class LevelJudge:
+    """A stand-in for DNSMOS: BAK falls with the level of the signal (a louder residue rates lower)."""
+
+    def score(self, audio):
+        level_db = 10 * np.log10(np.mean(np.square(audio)) + 1e-12)
+        return {"sig": 3.0, "bak": 4.0 - (level_db + 60.0) / 20.0, "ovrl": 2.5}
+
+
+def test_dnsmos_is_reported_overall_per_snr_and_per_kind(tmp_path, monkeypatch):
+    import training.peers.run as run
+
+    monkeypatch.setitem(run._judges, "judge", LevelJudge())
+    pairs = _pairs(tmp_path, names=("snr05_music_0001.wav", "snr010_babble_0002.wav"), seconds=1.0)
+    results = run_benchmark(pairs, [PeerSpec("noisy", dnsmos="judge")], isolate=False)
+    paths = write_reports(results, tmp_path / "out")
+    summary = json.loads(paths["json"].read_text())
+    assert summary["metrics"] == ["pesq_wb", "stoi", "estoi", "si_sdr", "dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl"]
+    noisy = summary["peers"]["noisy"]
+    levels = [10 * np.log10(np.mean(np.square(sf.read(p.noisy, dtype="float32")[0]))) for p in pairs]
+    expected = [4.0 - (lv + 60.0) / 20.0 for lv in levels]
+    assert noisy["mean"]["dnsmos_bak"] == pytest.approx(np.mean(expected), rel=1e-4)
+    assert noisy["by_snr"]["5"]["dnsmos_bak"] == pytest.approx(expected[0], rel=1e-4)
+    assert noisy["by_kind"]["babble"]["dnsmos_bak"] == pytest.approx(expected[1], rel=1e-4)
+    assert noisy["mean"]["dnsmos_ovrl"] == pytest.approx(2.5)
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert float(rows[0]["dnsmos_sig"]) == pytest.approx(3.0)
+    md = paths["md"].read_text()
+    assert "| Peer | PESQ-WB | STOI | ESTOI | SI-SDR (dB) | DNSMOS SIG | DNSMOS BAK | DNSMOS OVRL |" in md
+    assert "## DNSMOS BAK per SNR bucket" in md and "## DNSMOS OVRL per SNR bucket" in md
+    assert "music PESQ-WB | music STOI | music BAK | music OVRL" in md
+
+
+def test_dnsmos_folder_from_the_flags(tmp_path):
+    from training.peers.cli import dnsmos_for
+
+    assert dnsmos_for(_args(["--no-dnsmos"])) is None
+    assert dnsmos_for(_args(["--dnsmos", str(tmp_path)])) == str(tmp_path)
+    with pytest.raises(DataError, match="--dnsmos: folder not found"):
+        dnsmos_for(_args(["--dnsmos", str(tmp_path / "nope")]))

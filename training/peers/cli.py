@@ -1,11 +1,12 @@
 """`enhancer-train bench-peers`: this product's model next to the denoisers a user would otherwise pick.
 
     enhancer-train bench-peers --noisy DIR --clean DIR [--out DIR] [--model PATH] [--peers a,b,c] [--jobs N]
+                               [--dnsmos DIR | --no-dnsmos]
 
 Runs "noisy" (the unprocessed input, the reference row), "tim-enhancer" (default model
 `models/tim.onnx`) and every peer of `adapters.PEERS` that is installed (`pip install
 .[bench]`, or `make bench-peers`) on the same files, scores all of them with one scorer
-(`score.score`) and writes `per_file.csv`, `summary.json` and `summary.md` to `--out`.
+(`score.score`: PESQ-WB, STOI, ESTOI, SI-SDR, and DNSMOS SIG / BAK / OVRL) and writes `per_file.csv`, `summary.json` and `summary.md` to `--out`.
 Peers that are not installed, fail to load or fail on a file are reported, never fatal.
 
     enhancer-train bench-peers --list                       which peers can run here
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from ..data.layouts import audio_files
 from ..data.manifests import DataError
+from ..defaults import default_dnsmos_dir
 from .adapters import PEERS, TimEnhancer, make_peer, single_thread
 from .align import measure_delay
 from .pairs import SNR_PATTERN, find_pairs
@@ -35,7 +37,8 @@ def add_bench_peers(subparsers) -> argparse.ArgumentParser:
         "bench-peers", help="score the model next to peer denoisers on the same files",
         description="Side-by-side quality benchmark: tim-enhancer and peer denoisers (RNNoise, WebRTC NS, Speex, "
                     "NSNet2, DTLN, GTCRN, DeepFilterNet3, noisereduce) on the same noisy/clean pairs, one scorer "
-                    "(PESQ-WB, STOI, ESTOI, SI-SDR at 16 kHz). Peers come from `pip install .[bench]`.")
+                    "(PESQ-WB, STOI, ESTOI, SI-SDR at 16 kHz, and DNSMOS P.835 SIG / BAK / OVRL). Peers come from "
+                    "`pip install .[bench]`.")
     p.add_argument("--noisy", type=Path, help="folder of noisy files")
     p.add_argument("--clean", type=Path, help="folder of clean references (same relative paths or names)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report folder (default {DEFAULT_OUT})")
@@ -46,6 +49,8 @@ def add_bench_peers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="peers run at once, one process and CPU thread each (default 1)")
     p.add_argument("--snr-regex", default=SNR_PATTERN, help=f"SNR in file names, first group in dB (default {SNR_PATTERN!r})")
     p.add_argument("--manifest", type=Path, help="CSV/TSV/JSONL with 'snr' and a file column (overrides names)")
+    p.add_argument("--dnsmos", type=Path, help="DNSMOS model folder (default: ../shared/data/dnsmos if present)")
+    p.add_argument("--no-dnsmos", action="store_true", help="skip DNSMOS (intrusive metrics only)")
     p.add_argument("--save-audio", action="store_true", help="also write each peer's output to OUT/audio/PEER/")
     p.add_argument("--list", action="store_true", help="list the peers and whether each can run, then exit")
     p.add_argument("--measure-delays", action="store_true",
@@ -63,9 +68,20 @@ def peer_names(arg: str | None) -> list[str]:
     return ["noisy"] + [n for n in dict.fromkeys(names) if n != "noisy"]
 
 
-def specs_for(args) -> list[PeerSpec]:
+def dnsmos_for(args) -> str | None:
+    """The DNSMOS folder to score with: --dnsmos, else the default beside the checkout; None with --no-dnsmos."""
+    if getattr(args, "no_dnsmos", False):
+        return None
+    folder = getattr(args, "dnsmos", None)
+    if folder is not None and not Path(folder).is_dir():
+        raise DataError(f"--dnsmos: folder not found: {folder}")
+    folder = folder or default_dnsmos_dir()
+    return None if folder is None else str(folder)
+
+
+def specs_for(args, dnsmos: str | None = None) -> list[PeerSpec]:
     model = str(args.model) if args.model else None
-    return [PeerSpec(n, model, args.model_label) if n == TimEnhancer.name else PeerSpec(n)
+    return [PeerSpec(n, model, args.model_label, dnsmos) if n == TimEnhancer.name else PeerSpec(n, dnsmos=dnsmos)
             for n in peer_names(args.peers)]
 
 
@@ -116,13 +132,15 @@ def cmd_bench_peers(args) -> int:
     if args.jobs < 1:
         raise DataError(f"--jobs must be >= 1, got {args.jobs}")
     pairs = find_pairs(args.noisy, args.clean, args.snr_regex, args.manifest)
-    specs = specs_for(args)
+    dnsmos = dnsmos_for(args)
+    specs = specs_for(args, dnsmos)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"bench-peers: {len(pairs)} pair(s), peers: {', '.join(s.name for s in specs)}")
+    log(f"bench-peers: {len(pairs)} pair(s), peers: {', '.join(s.name for s in specs)}"
+        + ("" if dnsmos else " (no DNSMOS: intrusive metrics only)"))
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     save = args.out / "audio" if args.save_audio else None
     results = run_benchmark(pairs, specs, jobs=args.jobs, save_dir=save, log=log)
-    meta = {"noisy": str(args.noisy), "clean": str(args.clean), "wall_seconds": time.perf_counter() - t0,
+    meta = {"noisy": str(args.noisy), "clean": str(args.clean), "dnsmos": dnsmos, "wall_seconds": time.perf_counter() - t0,
             "cpus": os.cpu_count(), "load_average": [load0, os.getloadavg()[0]]}
     paths = write_reports(results, args.out, meta)
     print(paths["md"].read_text())

@@ -1,6 +1,7 @@
 """Reports of the peer benchmark: per-file CSV, summary.json, summary.md.
 
-Means skip NaN scores (PESQ finds no utterance) and files a peer failed on; the table says when
+The metrics are the intrusive ones (PESQ-WB, STOI, ESTOI, SI-SDR) and, when the run scored them,
+DNSMOS SIG / BAK / OVRL, overall, per SNR and per noise kind. Means skip NaN scores (PESQ finds no utterance) and files a peer failed on; the table says when
 a peer was scored on fewer files than the others. RTF = enhancement wall time / audio duration,
 on one CPU thread (< 1 is faster than real time).
 """
@@ -15,10 +16,11 @@ import numpy as np
 
 from ..evaluation.devnames import KINDS, kind_of
 from ..evaluation.metrics import LABELS
-from .score import METRICS, SCORE_RATE
+from .score import ALL_METRICS, SCORE_RATE
 
-CSV_COLUMNS = ("peer", "file", "snr", "seconds", "enhance_seconds", "rtf", *METRICS, "error")
+CSV_COLUMNS = ("peer", "file", "snr", "seconds", "enhance_seconds", "rtf", *ALL_METRICS, "error")
 REFERENCE = "noisy"
+DNSMOS_TABLES = ("dnsmos_bak", "dnsmos_ovrl")  # per-SNR tables besides PESQ-WB's, when scored
 
 
 def _mean(values) -> float:
@@ -26,12 +28,19 @@ def _mean(values) -> float:
     return float(np.mean(v)) if v else math.nan
 
 
-def _means(rows: list[dict]) -> dict[str, float]:
-    return {m: _mean(r.get(m) for r in rows) for m in METRICS}
+def scored_metrics(results: list[dict]) -> tuple[str, ...]:
+    """The metrics at least one file of one peer has a number for, in report order."""
+    rows = [r for res in results for r in res.get("rows", []) if not r.get("error")]
+    return tuple(m for m in ALL_METRICS if any(not math.isnan(_mean([r.get(m)])) for r in rows))
 
 
 def summarize(results: list[dict], meta: dict | None = None) -> dict:
-    """summary.json's content: per peer, its status, means, per-SNR means, timing and errors."""
+    """summary.json's content: per peer, its status, means, per-SNR and per-kind means, timing and errors."""
+    metrics = scored_metrics(results)
+
+    def _means(rows: list[dict]) -> dict[str, float]:
+        return {m: _mean(r.get(m) for r in rows) for m in metrics}
+
     peers = {}
     n_files = max((len(r["rows"]) for r in results), default=0)
     for res in results:
@@ -55,7 +64,7 @@ def summarize(results: list[dict], meta: dict | None = None) -> dict:
             "enhance_seconds": wall,
             "rtf": wall / audio if audio else math.nan,
         }
-    return {**(meta or {}), "files": n_files, "score_rate": SCORE_RATE, "metrics": list(METRICS),
+    return {**(meta or {}), "files": n_files, "score_rate": SCORE_RATE, "metrics": list(metrics),
             "reference": REFERENCE, "peers": peers}
 
 
@@ -69,44 +78,49 @@ def markdown(summary: dict) -> str:
     ref = ran.get(REFERENCE, {}).get("mean", {}).get("pesq_wb", math.nan)
     order = sorted(ran, key=lambda k: (k != REFERENCE, -np.nan_to_num(ran[k]["mean"]["pesq_wb"], nan=-9)))
     n = summary["files"]
+    metrics = summary["metrics"]
     out = ["# Side-by-side quality benchmark", ""]
     src = f" from `{summary['noisy']}`" if summary.get("noisy") else ""
+    judge = ", DNSMOS P.835 SIG / BAK / OVRL" if "dnsmos_ovrl" in metrics else ""
     out += [f"{n} noisy/clean pair(s){src}, every output aligned sample for sample with its input "
             f"(each peer's own delay removed) and scored by one scorer at {SCORE_RATE // 1000} kHz: "
-            "PESQ-WB (ITU-T P.862.2), STOI, ESTOI, SI-SDR. RTF: enhancement time / audio time, "
+            f"PESQ-WB (ITU-T P.862.2), STOI, ESTOI, SI-SDR{judge}. RTF: enhancement time / audio time, "
             "one CPU thread.", ""]
     load, cpus = summary.get("load_average"), summary.get("cpus")
     if load and cpus and max(load) > 0.5 * cpus:
         out += [f"The machine was busy (load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, "
                 f"{cpus} CPUs): real-time factors are pessimistic.", ""]
-    out += ["| Peer | " + " | ".join(LABELS[m] for m in METRICS) + " | Δ PESQ-WB | RTF | Files |",
-            "|---|" + "---:|" * (len(METRICS) + 3)]
+    out += ["| Peer | " + " | ".join(LABELS[m] for m in metrics) + " | Δ PESQ-WB | RTF | Files |",
+            "|---|" + "---:|" * (len(metrics) + 3)]
     for k in order:
         p = ran[k]
         d = p["mean"]["pesq_wb"] - ref
         files = f"{p['files_scored']}/{n}" if p["files_scored"] < n else str(n)
-        cells = [_fmt(p["mean"][m], 2 if m == "si_sdr" else 3) for m in METRICS]
+        cells = [_fmt(p["mean"][m], 2 if m == "si_sdr" else 3) for m in metrics]
         out.append(f"| {k} | " + " | ".join(cells) + f" | {'' if k == REFERENCE else _fmt(d, 2)} | "
                    f"{'' if k == REFERENCE else _fmt(p['rtf'], 3)} | {files} |")
     buckets = sorted({int(s) for p in ran.values() for s in p["by_snr"]})
-    if buckets:
-        out += ["", "## PESQ-WB per SNR bucket", "",
+    for m in ("pesq_wb", *(t for t in DNSMOS_TABLES if t in metrics)) if buckets else ():
+        out += ["", f"## {LABELS[m]} per SNR bucket", "",
                 "| Peer | " + " | ".join(f"{b} dB" for b in buckets) + " | all |",
                 "|---|" + "---:|" * (len(buckets) + 1)]
         for k in order:
             p = ran[k]
-            cells = [_fmt(p["by_snr"].get(str(b), {}).get("pesq_wb")) for b in buckets]
-            out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean']['pesq_wb'])} |")
+            cells = [_fmt(p["by_snr"].get(str(b), {}).get(m)) for b in buckets]
+            out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'][m])} |")
+    if buckets:
         if any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
             out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
     kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
     if kinds:
+        shown = ("pesq_wb", "stoi", *(t for t in DNSMOS_TABLES if t in metrics))
+        short = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "dnsmos_bak": "BAK", "dnsmos_ovrl": "OVRL"}
         out += ["", "## Per noise kind (from the file names)", "",
-                "| Peer | " + " | ".join(f"{k} PESQ-WB | {k} STOI" for k in kinds) + " |",
-                "|---|" + "---:|" * (2 * len(kinds))]
+                "| Peer | " + " | ".join(f"{k} {short[m]}" for k in kinds for m in shown) + " |",
+                "|---|" + "---:|" * (len(shown) * len(kinds))]
         for k in order:
             by = ran[k].get("by_kind", {})
-            cells = [f"{_fmt(by.get(c, {}).get('pesq_wb'))} | {_fmt(by.get(c, {}).get('stoi'))}" for c in kinds]
+            cells = [_fmt(by.get(c, {}).get(m)) for c in kinds for m in shown]
             out.append(f"| {k} | " + " | ".join(cells) + " |")
     missing = {k: v for k, v in peers.items() if v["status"] != "ok"}
     if missing:

@@ -24,7 +24,7 @@ from enhancer.config import SAMPLE_RATE
 from .adapters import make_peer, single_thread
 from .align import as_mono
 from .pairs import Pair
-from .score import METRICS, score
+from .score import ALL_METRICS, score
 
 WARMUP_SECONDS = 1.0
 
@@ -36,10 +36,24 @@ class PeerSpec:
     name: str
     model: str | None = None  # tim-enhancer only
     label: str | None = None  # tim-enhancer only
+    dnsmos: str | None = None  # DNSMOS model folder: score SIG / BAK / OVRL too
 
 
 # ---------------------------------------------------------------------- in the worker
 _loaded: dict = {}
+_judges: dict = {}
+
+
+def _judge(folder: str | None):
+    """The worker's DNSMOS for `folder` (one per process), or None."""
+    if folder is None:
+        return None
+    if folder not in _judges:
+        from ..evaluation.dnsmos import DNSMOS
+
+        _judges[folder] = DNSMOS(folder)
+    return _judges[folder]
+
 
 
 def _peer(spec: PeerSpec):
@@ -88,7 +102,7 @@ def read_mono(path: str) -> tuple[np.ndarray, int]:
 def run_file(spec: PeerSpec, pair: Pair, save_dir: str | None = None) -> dict:
     """One row: the pair's metrics for this peer, timing, or the error."""
     row = {"peer": "", "file": pair.id, "snr": pair.snr, "seconds": math.nan, "enhance_seconds": math.nan,
-           **{m: math.nan for m in METRICS}, "error": ""}
+           **{m: math.nan for m in ALL_METRICS}, "error": ""}
     try:
         peer, _ = _peer(spec)
         row["peer"] = peer.name
@@ -106,7 +120,7 @@ def run_file(spec: PeerSpec, pair: Pair, save_dir: str | None = None) -> dict:
             raise ValueError(f"output shape {out.shape} != input shape {noisy.shape}")
         if not np.isfinite(out).all():
             raise ValueError("output has NaN or Inf samples")
-        row.update(score(out, clean, sr))
+        row.update(score(out, clean, sr, _judge(spec.dnsmos)))
         if save_dir:
             dest = Path(save_dir) / peer.name / pair.id
             dest.parent.mkdir(parents=True, exist_ok=True)
