@@ -24,10 +24,11 @@ def create_app(settings: Settings | None = None):
     return _create(settings)
 
 
-def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "auto", workers: int = 1,
+def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "auto", workers: int | None = None,
         max_streams: int = 64, api_key: str | None = None, **limits) -> None:
     """Serve until SIGTERM / SIGINT, then drain the live streams (see `serving`). `model`: path of
-    an exported step graph (default: the shipped model); `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*; `limits`: other `Settings` fields
+    an exported step graph (default: the shipped model); `workers` None: one per CPU this process may
+    use; `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*; `limits`: other `Settings` fields
     (max_upload_bytes, max_duration_s, idle_timeout_s, max_message_bytes, max_messages_per_s, cors_origins ...)."""
     from enhancer.errors import CheckpointError
     from enhancer.runtime import default_model_path

@@ -1,7 +1,8 @@
 """Admission: which jobs the service takes on, and on which worker (README, "Capacity, admission
 and lateness").
 
-Live streams are admitted up to the capacity measured at start-up (`server.capacity`), in total
+Live streams are admitted up to the capacity (measured at start-up and re-estimated while serving,
+`server.capacity`), in total
 and on the worker that takes them; files (REST jobs) only use the lanes and the time the live
 streams leave free. Each worker's lanes have one `LaneLedger`, the one record of its capacity and
 of the lanes its admitted jobs hold: admission writes it on the event loop, the worker reads it
@@ -68,17 +69,30 @@ class Admission:
 
     def set_capacity(self, capacity: Capacity, ledgers: list[LaneLedger]) -> None:
         """The capacity the service admits, spread over the workers' ledgers."""
-        for ledger, live in zip(ledgers, capacity.per_worker):
+        self.ledgers = ledgers
+        self._apply(capacity)
+        log.info("capacity: %d live stream(s) (%s; per worker %s)", capacity.streams,
+                 "measured" if capacity.calibrated else "fixed", list(capacity.per_worker))
+
+    def update_capacity(self, capacity: Capacity, reasons: list[str]) -> None:
+        """A capacity re-estimated while serving (`CapacityTracker`). Admitted streams are never
+        dropped: a lower capacity only stops new admissions until the live lanes fit it."""
+        old = self.capacity
+        self._apply(capacity)
+        log.info("capacity: %d -> %d live stream(s) (re-estimated from the step timings; per worker %s -> %s; %d "
+                 "active): %s", old.streams if old else 0, capacity.streams, list(old.per_worker) if old else [],
+                 list(capacity.per_worker), self.streams, "; ".join(reasons))
+
+    def _apply(self, capacity: Capacity) -> None:
+        for ledger, live in zip(self.ledgers, capacity.per_worker):
             ledger.capacity = live
-        self.ledgers, self.capacity = ledgers, capacity
+        self.capacity = capacity
         m = self.metrics
         m.capacity.set(capacity.streams)
         m.step_budget.set(capacity.budget_ms / 1000)
         m.calibrated.set(int(capacity.calibrated))
         for i, lanes in enumerate(capacity.per_worker):
             m.capacity_worker.labels(worker=str(i)).set(lanes)
-        log.info("capacity: %d live stream(s) (%s; per worker %s)", capacity.streams,
-                 "measured" if capacity.calibrated else "fixed", list(capacity.per_worker))
 
     @property
     def live_lanes(self) -> int:
@@ -120,6 +134,7 @@ class Admission:
             ledger.live += channels
             self.streams += 1
             self.metrics.active_streams.set(self.streams)
+            self.metrics.live_lanes.set(self.live_lanes)
         else:
             self.rest_jobs += 1
             self.metrics.active_jobs.set(self.rest_jobs)
@@ -132,6 +147,7 @@ class Admission:
             ledger.live -= channels
             self.streams -= 1
             self.metrics.active_streams.set(self.streams)
+            self.metrics.live_lanes.set(self.live_lanes)
         else:
             self.rest_jobs -= 1
             self.metrics.active_jobs.set(self.rest_jobs)
@@ -154,9 +170,14 @@ class Admission:
         return ServiceError(ErrorKind.OVER_CAPACITY, f"over capacity: the live streams use all of this server's "
                             f"inference capacity ({cap} streams); retry in {REST_RETRY_S} s", details, REST_RETRY_S)
 
+    @property
+    def free(self) -> int:
+        """Live lanes that can still be admitted (all workers together)."""
+        cap = self.capacity
+        return max((cap.streams if cap else 0) - self.live_lanes, 0)
+
     def public(self) -> dict:
         """Capacity and live count for /readyz."""
         cap = self.capacity
         out = cap.public() if cap is not None else {}
-        return out | {"active_streams": self.streams, "live_lanes": self.live_lanes,
-                      "free": max((cap.streams if cap else 0) - self.live_lanes, 0)}
+        return out | {"active_streams": self.streams, "live_lanes": self.live_lanes, "free": self.free}

@@ -1,6 +1,7 @@
 """The FastAPI application: routes, error handlers, lifecycle of the inference workers."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -51,9 +52,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lag, gc_timer = LoopLagMonitor(metrics.loop_lag), GcTimer(metrics.gc_pause)
         lag.start()
         gc_timer.install()
+        follow = asyncio.create_task(scheduler.follow(), name="tim-capacity")  # re-estimates the capacity
         try:
             yield
         finally:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
             gc_timer.uninstall()
             await lag.stop()
             await run_in_threadpool(scheduler.stop)
@@ -62,7 +66,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   docs_url=None, redoc_url=None)
     app.state.settings, app.state.metrics, app.state.scheduler = settings, metrics, scheduler
     app.state.sessions = set()  # open websocket streams (StreamSession)
-    app.state.draining = False  # set on shutdown: streams finish, new ones are refused
+    app.state.draining = False  # set on SIGTERM (server.drain): /readyz 503, new streams and uploads refused
+    app.state.uploads = 0  # POST /v1/enhance requests in flight (RestMetricsMiddleware): the drain waits for them
     # middleware: the last added runs first. Metrics see every answer; CORS answers preflights and
     # decorates errors; the API key is checked before any route runs.
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
@@ -129,7 +134,8 @@ def _add_operations(app: FastAPI, metrics: Metrics) -> None:
             "parameters": enh.engine.parameters, "workers": len(scheduler.workers),
             "sample_rate": cfg.stft.sample_rate, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "latency_ms": cfg.algorithmic_latency_ms, "active_streams": scheduler.streams,
-            "capacity": scheduler.admission.public(),
+            "capacity": scheduler.admission.public() | (scheduler.tracker.public() if scheduler.tracker
+                                                         else {"follows": False}),
             "limits": request.app.state.settings.public(),
         }
 
@@ -166,7 +172,8 @@ def _add_demo(app: FastAPI) -> None:
 
 
 class RestMetricsMiddleware:
-    """Counts POST /v1/enhance responses by status (pure ASGI: the response body is not buffered)."""
+    """Counts POST /v1/enhance responses by status and the requests in flight (`app.state.uploads`,
+    which the drain waits for); pure ASGI: the response body is not buffered."""
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -175,13 +182,18 @@ class RestMetricsMiddleware:
         if scope["type"] != "http" or scope.get("path") != "/v1/enhance":
             return await self.app(scope, receive, send)
         status = {"code": 500}
+        state = scope["app"].state if "app" in scope else None
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)
 
+        if state is not None:
+            state.uploads += 1
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            if state is not None:
+                state.uploads -= 1
             self.metrics.rest_requests.labels(status=str(status["code"])).inc()

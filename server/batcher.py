@@ -31,7 +31,10 @@ log = logging.getLogger("tim_enhancer.server")
 
 class Batcher:
     """Rounds over a worker's streams (its thread only). `fail(st, e)` closes a stream whose
-    inference or bookkeeping failed."""
+    inference or bookkeeping failed. `timings`, when set, gets (lanes, seconds) of every batched live
+    step (the capacity follows them: server.capacity.CapacityTracker)."""
+
+    timings = None
 
     def __init__(self, pool: LanePool, streams: dict[int, StreamState], metrics: Metrics, lateness: LatenessPolicy,
                  files: FileShare, max_wait_s: float, fail: Callable[[StreamState, Exception], None]):
@@ -163,6 +166,8 @@ class Batcher:
             self.files.spend(t1 - t0, t1)
         self.metrics.step_seconds.observe(t1 - t0)
         self.metrics.batch_size.observe(len(lanes))
+        if self.timings is not None:
+            self.timings.append((len(lanes), t1 - t0))
         return r
 
     def _scatter(self, group: list[StreamState], r: StepResult) -> None:

@@ -15,13 +15,24 @@ once more, and the lower p99 of the two runs counts.
 Calibration takes about `len(BATCHES) x REPS` hops (a few seconds) and stops early at the first
 batch size over the budget or at `deadline_s`. `Settings.capacity` replaces it with a fixed
 number (tests, or an operator who measured the machine with `python -m server.tools.loadtest`).
+
+While serving, a measured capacity follows the machine (`CapacityTracker`): every second each
+worker's step timings (its live batched steps, or the probe steps an idle worker times) are
+reduced to a p99 cost per lane-equivalent, `step / (overhead + batch)` (a step costs about
+`c x (overhead + batch)`, the overhead fitted to the calibration), from which the lanes that fit
+the step budget follow. A worker's capacity is raised when that projection leaves `RAISE_HEADROOM`
+of the budget free for `raise_after_s` on end, lowered when it overruns the budget for
+`lower_after_s`, never below the lanes its admitted streams hold.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -30,6 +41,14 @@ log = logging.getLogger("tim_enhancer.server")
 BATCHES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPS = 32  # paced steps timed per batch size (p99 of 32 is close to their maximum: conservative)
 WARMUP = 3  # steps per batch size before timing (onnxruntime plans each new shape once)
+# following the machine while serving (CapacityTracker)
+TICK_S = 1.0  # how often the capacity is re-estimated
+MIN_SAMPLES = 3  # steps a worker must have timed within a tick for the tick to count
+RAISE_HEADROOM = 0.1  # a raise needs the projected p99 within budget x (1 - this): a dead band against flapping
+STALE_S = 3 * TICK_S  # a streak of ticks with a gap longer than this (no steps timed) starts again
+DEFAULT_OVERHEAD_LANES = 4.0  # a step's fixed cost in lanes' worth when the calibration cannot tell
+PROBE_LANES = 8  # an idle worker's probe steps this many lanes at most (its capacity, if smaller)
+PROBE_INTERVAL_S = 0.25  # ... this often
 
 
 @dataclass(frozen=True)
@@ -162,3 +181,126 @@ def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: 
              "%.1f s; step p99 by batch: %s", cap.streams, list(per), cap.budget_ms, margin, cap.seconds,
              "; ".join(", ".join(f"{b}: {ms:.1f}" for b, ms in r.step_p99_ms.items()) for r in results))
     return cap
+
+
+def overhead_lanes(points: dict[int, float]) -> float:
+    """The fixed cost of a step in lanes' worth, `a / c` of the line `p99 = a + c x batch` fitted (least
+    squares) to the calibration's points; `DEFAULT_OVERHEAD_LANES` when fewer than two sizes were timed
+    or the line is not rising. A negative intercept (costs growing faster than the batch) counts 0."""
+    sizes = sorted(b for b in points if b >= 1)
+    if len(sizes) < 2:
+        return DEFAULT_OVERHEAD_LANES
+    c, a = np.polyfit(np.array(sizes, float), np.array([points[b] for b in sizes], float), 1)
+    if not c > 0:
+        return DEFAULT_OVERHEAD_LANES
+    return float(min(max(a, 0.0) / c, 64.0))
+
+
+@dataclass
+class Streak:
+    """Ticks in a row on which a worker's estimate stayed on one side of its capacity."""
+
+    since: float | None = None  # the first tick's time
+    last: float = 0.0
+    ticks: int = 0
+    bound: int = 0  # raise: the smallest estimate of the streak; lower: the largest
+
+    def extend(self, now: float, estimate: int, pick) -> None:
+        if self.since is None or now - self.last > STALE_S:
+            self.since, self.ticks, self.bound = now, 0, estimate
+        self.last, self.ticks, self.bound = now, self.ticks + 1, pick(self.bound, estimate)
+
+    def held(self, now: float, seconds: float) -> bool:
+        return self.since is not None and self.ticks >= 2 and now - self.since >= seconds - 1e-6
+
+
+@dataclass
+class WorkerTrack:
+    lanes: int  # live lanes the worker admits now
+    overhead: float  # a step's fixed cost in lanes' worth
+    up: Streak = field(default_factory=Streak)
+    down: Streak = field(default_factory=Streak)
+    cost_ms: float | None = None  # the last tick's p99 step cost per lane-equivalent
+    samples: int = 0  # steps timed in the last tick that had any
+    batch: int = 0  # the largest batch among them
+
+    def projected_ms(self, lanes: int | None = None) -> float | None:
+        """Projected step p99 (ms) at `lanes` (default: the capacity)."""
+        lanes = self.lanes if lanes is None else lanes
+        return None if self.cost_ms is None else self.cost_ms * (self.overhead + lanes)
+
+
+class CapacityTracker:
+    """A measured capacity, re-estimated from step timings while serving (event loop only).
+
+    `update(now, samples, live)` takes, per worker, the (batch, seconds) of the steps timed since the
+    last call and the live lanes its admitted streams hold; it returns the new `Capacity` when a worker's
+    capacity changed, else None. The clock and the timings are the caller's: tests feed a step-time
+    model and a fake clock."""
+
+    def __init__(self, capacity: Capacity, max_streams: int, raise_after_s: float = 10.0,
+                 lower_after_s: float = 3.0, headroom: float = RAISE_HEADROOM, min_samples: int = MIN_SAMPLES):
+        self.capacity, self.max_streams = capacity, max_streams
+        self.raise_after_s, self.lower_after_s = raise_after_s, lower_after_s
+        self.headroom, self.min_samples = headroom, min_samples
+        points = capacity.step_p99_ms or tuple({} for _ in capacity.per_worker)
+        self.workers = [WorkerTrack(lanes, overhead_lanes(p)) for lanes, p in zip(capacity.per_worker, points)]
+        self.changes = {"up": 0, "down": 0}
+        self.reasons: list[str] = []  # why the last change was made, one line per worker changed
+
+    def _fit(self, w: WorkerTrack, budget_ms: float) -> int:
+        """Lanes whose projected p99 is within `budget_ms` (0..max_streams)."""
+        lanes = math.floor(budget_ms / max(w.cost_ms, 1e-6) - w.overhead + 1e-9)
+        return int(min(max(lanes, 0), self.max_streams))
+
+    def update(self, now: float, samples: Sequence[Sequence[tuple[int, float]]],
+               live: Sequence[int]) -> Capacity | None:
+        budget = self.capacity.budget_ms
+        self.reasons = []
+        for i, (w, timed, held) in enumerate(zip(self.workers, samples, live)):
+            if len(timed) < self.min_samples:
+                continue
+            t = np.asarray(timed, float)
+            w.cost_ms = float(np.percentile(1000 * t[:, 1] / (w.overhead + t[:, 0]), 99))
+            w.samples, w.batch = len(t), int(t[:, 0].max())
+            up, down = self._fit(w, budget * (1 - self.headroom)), self._fit(w, budget)
+            if up > w.lanes:
+                w.up.extend(now, up, min)
+            else:
+                w.up = Streak()
+            if down < w.lanes:
+                w.down.extend(now, down, max)
+            else:
+                w.down = Streak()
+            new = w.lanes
+            if w.up.held(now, self.raise_after_s):
+                new, seconds, direction = w.up.bound, now - w.up.since, "up"
+            elif w.down.held(now, self.lower_after_s):
+                new, seconds, direction = max(w.down.bound, held), now - w.down.since, "down"
+            if new == w.lanes:
+                continue
+            self.reasons.append(
+                f"worker {i}: {w.lanes} -> {new} (step p99 {w.cost_ms:.2f} ms per lane-equivalent for {seconds:.0f} s, "
+                f"batches up to {w.batch}, overhead {w.overhead:.1f} lanes: {new} lanes project to "
+                f"{w.projected_ms(new):.1f} ms of the {budget:.1f} ms budget" + (f"; {held} held by admitted streams"
+                                                                               if new == held and direction == "down"
+                                                                               else "") + ")")
+            self.changes[direction] += 1
+            w.lanes, w.up, w.down = new, Streak(), Streak()
+        if not self.reasons:
+            return None
+        per = [w.lanes for w in self.workers]
+        if sum(per) == 0:  # as at start-up: one stream is admitted even when none fits
+            per[0] = self.workers[0].lanes = 1
+        self.capacity = dataclasses.replace(self.capacity, streams=min(sum(per), self.max_streams),
+                                            per_worker=tuple(per))
+        return self.capacity
+
+    def public(self) -> dict:
+        """What /readyz shows of the estimate."""
+        return {"follows": True, "changes": dict(self.changes), "raise_after_s": self.raise_after_s,
+                "lower_after_s": self.lower_after_s,
+                "live": [{"overhead_lanes": round(w.overhead, 2),
+                          "step_p99_ms_per_lane": None if w.cost_ms is None else round(w.cost_ms, 3),
+                          "projected_p99_ms": None if w.cost_ms is None else round(w.projected_ms(), 2),
+                          "samples": w.samples, "batch": w.batch} for w in self.workers]}

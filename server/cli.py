@@ -18,13 +18,19 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
     s.add_argument("--device", choices=DEVICES, default="auto", help="where to run the model (auto: CUDA when "
                    "this onnxruntime has it, else CPU; cuda: refuse to start without it)")
-    s.add_argument("--workers", type=int, default=1, help="inference workers (one onnxruntime session each)")
+    s.add_argument("--workers", type=int, default=None, help="inference worker threads, each with its own lane "
+                   "pool on one shared onnxruntime session (default: one per CPU this process may use, from "
+                   "its affinity and cgroup CPU quota; 1 with --device cuda)")
     s.add_argument("--max-streams", type=int, default=64, help="upper bound of live streams (the measured capacity "
                    "admits at most this many)")
     s.add_argument("--capacity", type=int, default=None, help="admit this many live streams instead of measuring "
                    "the capacity at start-up")
     s.add_argument("--capacity-margin", type=float, default=None, help="share of the 16 ms hop the step's p99 must "
                    "leave free when measuring the capacity (default 0.4)")
+    s.add_argument("--drain-timeout-s", type=float, default=None, help="on SIGTERM, how long live streams run on "
+                   "before they get their tail and close 1012 (default: $TIM_ENHANCER_DRAIN_TIMEOUT_S, else 10)")
+    s.add_argument("--agent-port", type=int, default=None, help="TCP port of the HAProxy agent-check (free "
+                   "capacity as a weight; default: $TIM_ENHANCER_AGENT_PORT, else none)")
     s.add_argument("--api-key", default=None, help="require this key (default: $TIM_ENHANCER_API_KEY if set)")
     s.set_defaults(fn=cmd_serve)
     return s
@@ -37,7 +43,8 @@ def cmd_serve(a) -> int:
 
     try:
         run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
-            api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin)
+            api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin,
+            drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port)
     except ModuleNotFoundError as e:  # installed without the [serve] extra
         raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "
                             f"'tim-enhancer[cpu,serve]' ({e})") from None

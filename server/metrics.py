@@ -36,8 +36,17 @@ class Metrics:
         self.gc_pause = Histogram("tim_gc_pause_seconds", "Duration of each collection of generation 1 or 2", ["generation"],
                                   buckets=LAG_BUCKETS, registry=r)
         # admission (server.admission, server.capacity) and lateness of live streams (server.lateness)
-        self.capacity = Gauge("tim_capacity_streams", "Live streams admitted at most (measured at start-up, or "
-                              "the capacity setting); tim_active_streams is the live count", registry=r)
+        self.capacity = Gauge("tim_capacity_streams", "Live streams admitted at most (measured at start-up and "
+                              "re-estimated while serving, or the capacity setting); tim_active_streams is the "
+                              "live count", registry=r)
+        self.live_lanes = Gauge("tim_live_lanes", "Lanes held by admitted live streams (each channel counts, as "
+                                "admission counts them against tim_capacity_streams)", registry=r)
+        self.capacity_changes = Counter("tim_capacity_changes", "Times the capacity was re-estimated up or down "
+                                        "while serving", ["direction"], registry=r)
+        self.projected_step = Gauge("tim_capacity_projected_step_seconds", "Step p99 each worker's live timings "
+                                    "project at its capacity (the budget is tim_capacity_step_budget_seconds)",
+                                    ["worker"], registry=r)
+        self.draining = Gauge("tim_draining", "1 from SIGTERM on (the drain), else 0", registry=r)
         self.capacity_worker = Gauge("tim_capacity_worker_streams", "Live stream lanes each worker holds within the "
                                      "step budget", ["worker"], registry=r)
         self.step_budget = Gauge("tim_capacity_step_budget_seconds", "Step p99 allowed when calibrating: hop x (1 - "
@@ -59,6 +68,8 @@ class Metrics:
         for source in Source:
             self.refused.labels(source=source)
             self.frames.labels(source=source)
+        for direction in ("up", "down"):
+            self.capacity_changes.labels(direction=direction)
         for kind in KINDS:
             self.errors.labels(kind=kind)
 

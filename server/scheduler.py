@@ -9,17 +9,19 @@ new audio that arrives during a round joins the next one (dynamic batching, no a
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import sys
 import threading
+import time
 
 from enhancer.devices import providers_for
 from enhancer.runtime import Enhancer
 
 from . import capacity as calibration
 from .admission import Admission, LaneLedger, check_parameters
-from .capacity import Capacity
+from .capacity import TICK_S, Capacity, CapacityTracker
 from .commands import Open
 from .errors import ErrorKind, ServiceError
 from .jobs import Job
@@ -71,6 +73,7 @@ class Scheduler:
         self.workers: list[Worker] = []
         self.jobs: dict[int, Job] = {}
         self._ids = itertools.count(1)
+        self.tracker: CapacityTracker | None = None  # a measured capacity that follows the machine
 
     # lifecycle
     def start(self) -> None:
@@ -89,7 +92,16 @@ class Scheduler:
         workers = [Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000, settings=s,
                           service_live=lambda: admission.live_lanes)
                    for i in range(s.workers)]
-        admission.set_capacity(self._measure(workers), [w.ledger for w in workers])
+        capacity = self._measure(workers)
+        admission.set_capacity(capacity, [w.ledger for w in workers])
+        if capacity.calibrated and s.capacity_follow:
+            self.tracker = CapacityTracker(capacity, s.max_streams, s.capacity_raise_s, s.capacity_lower_s)
+            for w in workers:
+                w.probing = True
+            log.info("capacity follows the machine: re-estimated every %g s from the step timings (raised after "
+                     "%g s with %d%% of the budget free, lowered after %g s over it; overhead per worker %s lanes)",
+                     TICK_S, s.capacity_raise_s, round(100 * self.tracker.headroom), s.capacity_lower_s,
+                     [round(w.overhead, 1) for w in self.tracker.workers])
         # lowered only once calibrated: a calibration with the hand-over already lowered measured a
         # capacity that the service then served late (server/README, Capacity)
         SwitchInterval.lower()
@@ -104,6 +116,35 @@ class Scheduler:
         if s.capacity is not None:
             return calibration.fixed(s.capacity, len(workers), s.max_streams, hop_s, s.capacity_margin)
         return calibration.calibrate([w.pool for w in workers], hop_s, s.capacity_margin, s.max_streams)
+
+    def follow_tick(self, now: float | None = None) -> Capacity | None:
+        """Re-estimate the capacity from the workers' step timings since the last tick (event loop)."""
+        if self.tracker is None or not self.workers:
+            return None
+        samples = [w.take_timings() for w in self.workers]
+        before = dict(self.tracker.changes)
+        cap = self.tracker.update(time.monotonic() if now is None else now, samples,
+                                  [ledger.live for ledger in self.ledgers])
+        for i, w in enumerate(self.tracker.workers):
+            if w.cost_ms is not None:
+                self.metrics.projected_step.labels(worker=str(i)).set(w.projected_ms() / 1000)
+        if cap is not None:
+            for direction, n in self.tracker.changes.items():
+                if n > before[direction]:
+                    self.metrics.capacity_changes.labels(direction=direction).inc(n - before[direction])
+            self.admission.update_capacity(cap, self.tracker.reasons)
+        return cap
+
+    async def follow(self, tick_s: float = TICK_S) -> None:
+        """Tick the capacity tracker until cancelled (the app's lifespan runs it)."""
+        if self.tracker is None:
+            return
+        while True:
+            await asyncio.sleep(tick_s)
+            try:
+                self.follow_tick()
+            except Exception:  # a bug here must not stop the service: the capacity stays as it is
+                log.exception("re-estimating the capacity failed")
 
     def stop(self) -> None:
         for w in self.workers:

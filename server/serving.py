@@ -1,10 +1,12 @@
 """Running the app under uvicorn: start-up errors in plain words, protocols that drop stalled
-clients, and a graceful drain of live streams on SIGTERM / SIGINT.
+clients, the HAProxy agent port, and a graceful drain on SIGTERM / SIGINT.
 
-Shutdown order (`Server.shutdown`): stop accepting connections -> every open stream stops reading,
-gets the enhanced tail of all the audio it sent, `{"type": "end", "samples": n, "reason":
-"shutdown"}` and close 1012 (at most `drain_timeout_s`) -> uvicorn closes what is left and waits
-for REST requests in flight (again at most `drain_timeout_s`) -> the inference workers stop.
+Shutdown order: the signal -> draining at once (`server.drain.begin`: /readyz 503, agent `drain`,
+new streams and uploads refused, still listening, /healthz 200) -> `Server.shutdown`: streams run
+on and uploads in flight finish, until none is left or `drain_timeout_s` has passed; the streams
+still open then get the enhanced tail of all they sent, `{"type": "end", "samples": n, "reason":
+"shutdown", ...}` and close 1012 -> the listening sockets and the agent close -> uvicorn waits
+for uploads still running (again at most `drain_timeout_s`) -> the inference workers stop.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import uvicorn
 
 from enhancer.errors import EnhancerError
 
+from . import drain
 from .errors import ErrorKind
 from .settings import Settings
 from .stalls import freeze_startup_objects
@@ -53,22 +56,36 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
 
 
 class Server(uvicorn.Server):
-    """uvicorn.Server that drains the app's live streams before uvicorn closes their connections."""
+    """uvicorn.Server that drains the app (`server.drain`) before uvicorn closes its connections,
+    and serves the HAProxy agent (`server.agent`) when `agent_port` is set (on `agent_sock` when
+    given, bound already)."""
 
-    def __init__(self, config: uvicorn.Config, app):
+    def __init__(self, config: uvicorn.Config, app, agent_sock: socket.socket | None = None):
         super().__init__(config)
         self.app = app
+        self.agent_sock = agent_sock
+        self.agent = None
+
+    def handle_exit(self, sig, frame) -> None:
+        drain.begin(self.app)  # /readyz 503 and agent `drain` from the signal on, not from the next tick
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
-        from .ws import drain
-
-        for server in self.servers:  # no new connections while the streams drain
+        await drain.run(self.app, self.app.state.settings.drain_timeout_s, lambda: self.force_exit)
+        for server in self.servers:  # still listening until here: probes see 503 / 200, not refused connections
             server.close()
-        await drain(self.app, self.app.state.settings.drain_timeout_s)
+        if self.agent is not None:
+            await self.agent.close()
         await super().shutdown(sockets)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
+        settings = self.app.state.settings
+        if self.started and (self.agent_sock is not None or settings.agent_port is not None):
+            from .agent import Agent
+
+            self.agent = Agent(self.app, self.agent_sock, self.config.host, settings.agent_port or 0)
+            await self.agent.start()
         if self.started:
             scheduler = self.app.state.scheduler
             host = self.config.host
@@ -112,12 +129,19 @@ def serve(app, settings: Settings, host: str, port: int) -> None:
     # what start-up allocated lives as long as the process: keep it out of every full collection,
     # which would otherwise stop all streams for tens of milliseconds (see server.stalls)
     freeze_startup_objects()
+    socks: list[socket.socket] = []
     try:
-        sock = listen(host, port)
+        socks.append(listen(host, port))
+        if settings.agent_port is not None:
+            socks.append(listen(host, settings.agent_port))
     except StartupError:
+        for s in socks:
+            s.close()
         scheduler.stop()
         raise
     try:
-        Server(uvicorn_config(app, settings, host, port), app).run(sockets=[sock])
+        Server(uvicorn_config(app, settings, host, port), app, socks[1] if len(socks) > 1 else None).run(
+            sockets=socks[:1])
     finally:
-        sock.close()
+        for s in socks:
+            s.close()

@@ -15,13 +15,17 @@ from enhancer.signal import MAX_CHANNELS
 
 API_KEY_ENV = "TIM_ENHANCER_API_KEY"
 CORS_ENV = "TIM_ENHANCER_CORS_ORIGINS"
+DRAIN_ENV = "TIM_ENHANCER_DRAIN_TIMEOUT_S"
+AGENT_ENV = "TIM_ENHANCER_AGENT_PORT"
 
 
 @dataclass(frozen=True)
 class Settings:
     model: Path | None = None  # None: the shipped model (enhancer.runtime.default_model_path())
     device: str = "auto"  # auto (CUDA when present, else CPU), cpu or cuda
-    workers: int = 1  # inference threads, each with its own lane pool on one shared onnxruntime session
+    # inference threads, each with its own lane pool on one shared onnxruntime session; None: one per
+    # CPU this process may use (affinity and cgroup quota, server.cpus) on the CPU, 1 with device "cuda"
+    workers: int | None = None
     threads: int = 1  # onnxruntime intra-op threads per worker
     max_streams: int = 64  # concurrent websocket streams (1013 beyond)
     max_rest_jobs: int = 4  # concurrent REST enhancements (503 beyond)
@@ -30,6 +34,12 @@ class Settings:
     # admission and lateness (server/README.md, "Capacity, admission and lateness")
     capacity: int | None = None  # live streams admitted; None: measured at start-up (server.capacity)
     capacity_margin: float = 0.4  # share of the 16 ms hop the step p99 must leave free when calibrating
+    # a measured capacity follows the machine while serving (server.capacity.CapacityTracker): raised when
+    # the live steps leave the margin free for capacity_raise_s, lowered when they overrun the budget for
+    # capacity_lower_s (never below the streams admitted); False: measured once at start-up
+    capacity_follow: bool = True
+    capacity_raise_s: float = 10.0
+    capacity_lower_s: float = 3.0
     lateness_budget_ms: float = 40.0  # a hop stepped later than this after it arrived: the client is told
     max_lateness_ms: float = 60.0  # a live stream later than this skips its backlog (a marked gap)
     api_key: str | None = None  # required on /v1/* when set (REST header, websocket header or query)
@@ -44,12 +54,22 @@ class Settings:
     max_stream_s: float = 4 * 3600.0  # audio one websocket stream may send (1008 beyond)
     idle_timeout_s: float = 30.0  # no message for this long closes the stream (1008)
     max_buffered_s: float = 2.0  # audio accepted ahead of inference before reading pauses
-    drain_timeout_s: float = 10.0  # on SIGTERM: longest wait for streams' tails, then for REST requests
+    # on SIGTERM: live streams run on for up to this long, then get their tail and 1012; uploads in flight
+    # finish (those still running then get as long again). Also $TIM_ENHANCER_DRAIN_TIMEOUT_S.
+    drain_timeout_s: float = 10.0
+    agent_port: int | None = None  # HAProxy agent-check port (server.agent); None: no agent. Also $TIM_ENHANCER_AGENT_PORT
+
+    def __post_init__(self):
+        if self.workers is None:  # frozen: the resolved default is set once, here
+            from .cpus import available_cpus
+
+            object.__setattr__(self, "workers", 1 if self.device == "cuda" else available_cpus())
 
     @classmethod
     def build(cls, **kwargs) -> "Settings":
-        """Settings from keyword arguments; the API key and CORS origins may come from the
-        environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_CORS_ORIGINS, comma-separated)."""
+        """Settings from keyword arguments; the API key, CORS origins, drain timeout and agent port may
+        come from the environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_CORS_ORIGINS (comma-separated),
+        $TIM_ENHANCER_DRAIN_TIMEOUT_S, $TIM_ENHANCER_AGENT_PORT); a keyword argument wins."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -59,6 +79,12 @@ class Settings:
             kwargs["api_key"] = os.environ[API_KEY_ENV]
         if "cors_origins" not in kwargs and os.environ.get(CORS_ENV):
             kwargs["cors_origins"] = os.environ[CORS_ENV]
+        for name, env, parse in (("drain_timeout_s", DRAIN_ENV, float), ("agent_port", AGENT_ENV, int)):
+            if name not in kwargs and os.environ.get(env, "").strip():
+                try:
+                    kwargs[name] = parse(os.environ[env].strip())
+                except ValueError:
+                    raise ValueError(f"${env} must be a number, got {os.environ[env]!r}") from None
         if isinstance(kwargs.get("cors_origins"), str):
             kwargs["cors_origins"] = tuple(o.strip() for o in kwargs["cors_origins"].split(",") if o.strip())
         elif "cors_origins" in kwargs:
@@ -80,7 +106,7 @@ class Settings:
         if self.max_channels > MAX_CHANNELS:
             raise ValueError(f"max_channels must be <= {MAX_CHANNELS}, got {self.max_channels}")
         for name in ("max_duration_s", "rest_chunk_s", "max_stream_s", "idle_timeout_s", "max_buffered_s",
-                     "drain_timeout_s", "max_messages_per_s"):
+                     "drain_timeout_s", "max_messages_per_s", "capacity_raise_s", "capacity_lower_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
@@ -98,6 +124,11 @@ class Settings:
                              f"({self.lateness_budget_ms:g})")
         if not isinstance(self.max_batch_wait_ms, (int, float)) or not 0 <= self.max_batch_wait_ms <= 16:
             raise ValueError(f"max_batch_wait_ms must be a number in 0..16, got {self.max_batch_wait_ms!r}")
+        if self.agent_port is not None and (not isinstance(self.agent_port, int) or isinstance(self.agent_port, bool)
+                                            or not 1 <= self.agent_port <= 65535):
+            raise ValueError(f"agent_port must be a TCP port (1-65535) or None, got {self.agent_port!r}")
+        if not isinstance(self.capacity_follow, bool):
+            raise ValueError(f"capacity_follow must be true or false, got {self.capacity_follow!r}")
         if self.api_key is not None and not str(self.api_key).strip():
             raise ValueError("api_key is empty; omit it to disable authentication")
 

@@ -24,6 +24,7 @@ from enhancer.runtime import Enhancer, LanePool
 
 from .admission import LaneLedger
 from .batcher import Batcher
+from .capacity import PROBE_INTERVAL_S, PROBE_LANES
 from .commands import Close, Command, Delivery, End, JobHandle, Open, Push
 from .duty import FileShare
 from .errors import ErrorKind, ServiceError
@@ -62,11 +63,51 @@ class Worker(threading.Thread):
         self._out: list[tuple[JobHandle, Delivery]] = []
         self._acks_due = False  # a push left a stream with output to hand over but no hop to step
         self._lanes_gauge = metrics.lanes_in_use.labels(worker=str(index))
+        # step timings for the capacity that follows the machine (server.capacity.CapacityTracker): the
+        # batched live steps, and while `probing` and the worker holds no stream, a probe step of up to
+        # PROBE_LANES free lanes every PROBE_INTERVAL_S (an idle replica's capacity follows the machine too)
+        self.timings: collections.deque = collections.deque(maxlen=4096)
+        self.batcher.timings = self.timings
+        self.probing = False
+        self._next_probe = 0.0
+        self._probe_hops = (0.05 * np.random.default_rng(index).standard_normal(
+            (PROBE_LANES, cfg.stft.hop))).astype(np.float32)
 
     @property
     def live_lanes(self) -> int:
         """Lanes of the live streams this worker holds now."""
         return sum(st.channels for st in self.streams.values() if st.live)
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        """(lanes, seconds) of the steps timed since the last call (any thread)."""
+        out = []
+        while True:
+            try:
+                out.append(self.timings.popleft())
+            except IndexError:
+                return out
+
+    def _probe_in(self) -> float | None:
+        """Seconds until the next probe step is due; None when none is (not probing, or streams held)."""
+        if not self.probing or self.streams:
+            return None
+        return self._next_probe - time.perf_counter()
+
+    def _probe(self) -> None:
+        """Time one step of up to PROBE_LANES free lanes (the worker holds no stream)."""
+        n = min(max(self.ledger.capacity, 1), PROBE_LANES, self.pool.n_free)
+        try:
+            if n > 0:
+                lanes = self.pool.alloc(n)  # reset: the probe's state never reaches a stream
+                try:
+                    t0 = time.perf_counter()
+                    self.pool.step(lanes, self._probe_hops[:n], np.ones(n, np.float32))
+                    self.timings.append((n, time.perf_counter() - t0))
+                finally:
+                    self.pool.free(lanes)
+        except Exception:  # a probe that fails changes nothing; the next one tries again
+            log.warning("worker %d: a capacity probe step failed", self.index, exc_info=True)
+        self._next_probe = time.perf_counter() + PROBE_INTERVAL_S
 
     def submit(self, cmd: Command) -> None:
         """Queue a command (any thread); the worker applies the commands in order."""
@@ -87,6 +128,11 @@ class Worker(threading.Thread):
                     wait = self.batcher.wait()
                     if wait == 0:
                         break
+                    probe = self._probe_in()
+                    if probe is not None:
+                        if probe <= 0:
+                            break
+                        wait = probe if wait is None else min(wait, probe)
                     self._cv.wait(wait)  # None: until a command arrives
                 if self._stopping:
                     break
@@ -95,6 +141,10 @@ class Worker(threading.Thread):
             try:
                 for cmd in cmds:
                     self.apply(cmd)
+                probe = self._probe_in()
+                if probe is not None and probe <= 0:
+                    self._probe()
+                    continue
                 if cmds and self.batcher.wait() != 0:  # the step waits for more streams
                     if self._acks_due:
                         self._deliver()  # acknowledge pushes too short to make a hop

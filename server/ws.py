@@ -80,24 +80,6 @@ async def stream(ws: WebSocket) -> None:
         session.finished.set()
 
 
-async def drain(app, timeout: float) -> None:
-    """Shutdown: every open stream stops reading and gets the tail of the audio it sent (the
-    writer then sends {"type": "end", "samples": n, "reason": "shutdown"} and closes with 1012).
-    Returns when all have finished, or after `timeout` seconds."""
-    app.state.draining = True
-    sessions = list(app.state.sessions)
-    if not sessions:
-        return
-    log.info("draining %d stream(s)", len(sessions))
-    for s in sessions:
-        s.drain()
-    try:
-        await asyncio.wait_for(asyncio.gather(*(s.finished.wait() for s in sessions)), timeout)
-    except (asyncio.TimeoutError, TimeoutError):
-        left = sum(not s.finished.is_set() for s in sessions)
-        log.warning("%d stream(s) did not finish within %g s; closing them", left, timeout)
-
-
 class StreamSession:
     def __init__(self, ws: WebSocket):
         self.ws = ws
@@ -260,7 +242,9 @@ class StreamSession:
                 await self._send_json(event_message(event))
             if d.final:
                 if self.draining:
-                    await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown"})
+                    await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown",
+                                           "message": f"the server is restarting: reconnect and resend the audio "
+                                                      f"from sample {self.samples_out}"})
                     await self._close(1012, "server shutting down")
                 else:
                     await self._send_json({"type": "end", "samples": self.samples_out})

@@ -97,7 +97,7 @@ def _serve_on(port: int, model_path):
 
 @pytest.mark.parametrize("overlap_s", [0.0, 0.5])
 def test_restart_mid_stream_resumes_without_loss(model_path, enhancer_rt, overlap_s):
-    first = LiveServer(model=model_path, **TEST_LIMITS)
+    first = LiveServer(model=model_path, **(TEST_LIMITS | dict(drain_timeout_s=0.3)))  # streams closed 0.3 s in
     second = None
     try:
         x = speechlike(3 * SR, SR, seed=74)
