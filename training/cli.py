@@ -34,6 +34,7 @@ from .data.synth_noise import add_synth_noise
 from .defaults import Defaults
 from .evaluation.ablation import add_ablation
 from .evaluation.competition import add_competition
+from .evaluation.decide import add_compare
 from .evaluation.devset import add_devset
 from .evaluation.evaluate import add_eval
 from .evaluation.plots import add_plot
@@ -70,6 +71,7 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
     add_devset(sub, real_pairs=d.real_pairs)
     add_bench_peers(sub)
     add_ablation(sub)
+    add_compare(sub)
     add_synth_noise(sub)
     add_pack(sub)
     add_bench_fit(sub)

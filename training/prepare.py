@@ -161,6 +161,7 @@ def dev_scorer(o: FitOptions, d: Dist, log) -> DevScorer | None:
         return None
     pairs = load_dev_pairs(o.dev, o.dev_files)
     scorer = DevScorer(pairs, d.rank, d.world, o.dnsmos_dir)
-    log(f"dev set {o.dev}: {len(pairs)} pairs scored every {o.dev_every} steps (PESQ-WB"
-        f"{', DNSMOS OVRL tie-break' if scorer.dnsmos is not None else ''}); best.pt is chosen on it")
+    rule = ("PESQ-WB + DNSMOS OVRL, neither lower by more than 0.005" if scorer.dnsmos is not None
+            else "PESQ-WB alone: no DNSMOS models, so residual noise is not counted")
+    log(f"dev set {o.dev}: {len(pairs)} pairs scored every {o.dev_every} steps; best.pt is chosen on {rule}")
     return scorer

@@ -181,11 +181,17 @@ def test_cosine_schedule():
     assert cosine_lr(500, 1e-3, 10, 110, 1e-5) == pytest.approx(1e-5)
 
 
-def test_dev_score_prefers_pesq_and_breaks_ties_by_dnsmos():
+def test_dev_score_counts_residual_noise_and_speech_and_trades_neither():
     a = DevScore(2.0, 3.0, 10)
-    assert DevScore(2.01, 1.0, 10).better_than(a)
-    assert not DevScore(1.99, 4.0, 10).better_than(a)
-    assert DevScore(2.003, 3.1, 10).better_than(a) and not DevScore(2.003, 2.9, 10).better_than(a)
+    assert DevScore(2.01, 3.0, 10).better_than(a) and DevScore(2.0, 3.01, 10).better_than(a)
+    assert not DevScore(2.01, 1.0, 10).better_than(a)  # more PESQ-WB bought with residual noise
+    assert not DevScore(1.9, 3.2, 10).better_than(a)  # less noise bought with speech
+    assert DevScore(2.003, 3.004, 10).better_than(a)  # both up a little: the sum clears the tie
+    assert not DevScore(2.002, 3.002, 10).better_than(a)  # a tie
+    assert not a.better_than(a)
+    # without the DNSMOS models, PESQ-WB alone
+    b = DevScore(2.0, math.nan, 10)
+    assert DevScore(2.01, math.nan, 10).better_than(b) and not DevScore(2.004, math.nan, 10).better_than(b)
     assert a.better_than(None) and not DevScore(math.nan, 3.0, 0).better_than(None)
     assert DevScore.from_dict(a.to_dict()) == a
 

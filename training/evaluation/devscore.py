@@ -1,5 +1,6 @@
 """Scoring a dev set during training: the model enhances paired noisy/clean files offline and the
-trainer keeps the checkpoint with the best wideband PESQ (DNSMOS OVRL breaks ties).
+trainer keeps the best checkpoint by the rule of `decide`: PESQ-WB + DNSMOS OVRL, neither of the two
+traded away (PESQ-WB alone without the DNSMOS models).
 
 A validation loss says how well the model fits the training objective on held-out mixtures of the
 training *kinds*; PESQ on the unseen-source dev set (`enhancer-train devset --unseen`) says what users
@@ -16,8 +17,7 @@ import numpy as np
 from enhancer.config import SAMPLE_RATE
 
 from ..data.manifests import DataError
-
-PESQ_TIE = 0.005  # PESQ differences below this are ties, decided by DNSMOS OVRL
+from .decide import better
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,10 @@ class DevScore:
     files: int
 
     def better_than(self, other: "DevScore | None") -> bool:
-        if other is None or not math.isfinite(other.pesq_wb):
+        """The checkpoint rule of `decide.better`; any finite score beats none."""
+        if other is None:
             return math.isfinite(self.pesq_wb)
-        if self.pesq_wb > other.pesq_wb + PESQ_TIE:
-            return True
-        if abs(self.pesq_wb - other.pesq_wb) <= PESQ_TIE and math.isfinite(self.dnsmos_ovrl):
-            return not math.isfinite(other.dnsmos_ovrl) or self.dnsmos_ovrl > other.dnsmos_ovrl
-        return False
+        return better(self.pesq_wb, self.dnsmos_ovrl, other.pesq_wb, other.dnsmos_ovrl)
 
     def to_dict(self) -> dict:
         return {"pesq_wb": self.pesq_wb, "dnsmos_ovrl": self.dnsmos_ovrl, "files": self.files}
