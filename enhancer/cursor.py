@@ -195,9 +195,10 @@ class StreamCursor:
         y = self._rs_out.process(y, last=last)
         if last:
             return y
-        y = y[: max(self.n_in - self.n_out, 0)]
-        if self._high is not None:
-            y = self._high.apply(y, self.n_out)
+        if self._high is not None:  # the upper band added; samples whose gain is not known yet are held
+            y = self._high.apply(y[: max(self.n_in - self.n_out - self._high.held, 0)])
+        else:
+            y = y[: max(self.n_in - self.n_out, 0)]
         self.n_out += y.shape[0]
         return y
 
@@ -222,11 +223,13 @@ class StreamCursor:
         the total input length. Does not reset the stream."""
         out = self.pull(last=True)
         remaining = self.n_in - self.n_out
+        if self._high is not None:
+            out = self._high.finish(out, max(remaining, 0))
+            self.n_out += out.shape[0]
+            return out
         if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
             out = np.concatenate([out, np.zeros((remaining - out.shape[0], self.channels), np.float32)])
         out = out[:max(remaining, 0)]
-        if self._high is not None:
-            out = self._high.apply(out, self.n_out)
         self.n_out += out.shape[0]
         return out
 
