@@ -51,6 +51,7 @@ class Open:
 
     job: JobHandle
     atten_lim_db: float | None
+    band: str = "full"  # "full": the band above 8 kHz kept (above 16 kHz); "speech": up to 8 kHz
 
 
 @dataclass(frozen=True)

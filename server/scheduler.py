@@ -185,7 +185,7 @@ class Scheduler:
 
     # jobs
     def open(self, sample_rate, channels, atten_lim_db=None, metadata: bool = False,
-             source: Source = Source.STREAM) -> Job:
+             source: Source = Source.STREAM, band: str = "full") -> Job:
         """A new job on the least loaded worker, or ServiceError (invalid_parameter, over_capacity)."""
         sample_rate = check_parameters(self.settings, sample_rate, channels, atten_lim_db)
         source = Source(source)
@@ -195,7 +195,7 @@ class Scheduler:
         job = Job(next(self._ids), self.workers[i], self.ledgers[i], sample_rate, channels, bool(metadata), source,
                   self.release)
         self.jobs[job.id] = job
-        job.worker.submit(Open(job, atten_lim_db))
+        job.worker.submit(Open(job, atten_lim_db, band))
         return job
 
     def release(self, job: Job) -> None:

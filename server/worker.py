@@ -191,7 +191,7 @@ class Worker(threading.Thread):
         job = cmd.job
         try:
             cursor = StreamCursor(self.enhancer.engine, job.sample_rate, job.channels, cmd.atten_lim_db,
-                                  job.metadata, self.pool)
+                                  job.metadata, self.pool, cmd.band)
         except (AudioError, RuntimeError) as e:  # invalid parameters, or no free lane: reported to the client
             self._fail(job, e)
             return
