@@ -87,7 +87,7 @@ def cmd_denoise(a) -> int:
     with tqdm(total=total, unit="sample", unit_scale=True, disable=a.quiet, desc="denoise") as bar:
         for (src, _), dst in zip(files, dsts):
             try:
-                enhance_file(enh, src, dst, a.atten_lim_db, progress=bar.update, format=a.format)
+                enhance_file(enh, src, dst, a.atten_lim_db, progress=bar.update, format=a.format, band=a.band)
             except EnhancerError as e:
                 failed += 1
                 tqdm.write(f"error: {e}", file=sys.stderr)
@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output container (as REST's format): default from the output's extension, or the "
                         "input's; into a folder, files get this extension")
     d.add_argument("--atten-lim-db", type=float, default=None, help="limit noise attenuation to this many dB")
+    d.add_argument("--band", choices=["full", "speech"], default="full",
+                   help="above 16 kHz: full (default) keeps the band above 8 kHz, gained by the model's speech "
+                        "activity; speech gives the model's band only (nothing above 8 kHz)")
     d.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
     d.add_argument("--device", choices=DEVICES, default="auto", help=f"where to run the model ({devices})")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary on stderr (errors still)")

@@ -45,11 +45,13 @@ def _error(description: str) -> dict:
     return {"model": ErrorBody, "description": description}
 
 
+BAND_HELP = ("Above 16 kHz: `full` (default) keeps the band above 8 kHz, gained by the model's speech activity; "
+             "`speech` returns the model's band only (nothing above 8 kHz)")
 AUDIO_SCHEMA = {"type": "string", "format": "binary"}
 REQUEST_BODY = {
     "required": True,
     "description": "The audio file: either the raw body with an audio Content-Type, or a multipart form "
-                   "whose `file` field holds it (form fields `atten_lim_db` and `format` are accepted too).",
+                   "whose `file` field holds it (form fields `atten_lim_db`, `band` and `format` are accepted too).",
     "content": {
         **{t: {"schema": AUDIO_SCHEMA} for t in ("audio/wav", "audio/flac", "audio/ogg", "audio/mpeg",
                                                   "application/octet-stream")},
@@ -59,6 +61,7 @@ REQUEST_BODY = {
                 "file": AUDIO_SCHEMA,
                 "atten_lim_db": {"type": "number", "minimum": 0, "description": "Attenuation limit in dB"},
                 "format": {"type": "string", "enum": list(FORMATS), "description": "Output container"},
+                "band": {"type": "string", "enum": ["full", "speech"], "description": BAND_HELP},
             }}},
     },
 }
@@ -88,6 +91,7 @@ async def enhance(
                                        "omit for full suppression"),
     format: Literal["wav", "flac", "ogg", "mp3"] | None = Query(None, description="Output container; "
                                                                "default: the input's"),
+    band: Literal["full", "speech"] = Query("full", description=BAND_HELP),
 ) -> StreamingResponse:
     """Decodes any format libsndfile reads (WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF ...), at any sample
     rate and channel count, and returns the enhanced audio in the same container (or `format`)."""
@@ -100,7 +104,10 @@ async def enhance(
         if form is not None:
             atten_lim_db = _form_number(form, "atten_lim_db", atten_lim_db)
             format = form.get("format") or format
-        out_file, writer, reader = await _enhance_file(request, upload, atten_lim_db, format)
+            band = form.get("band") or band
+            if band not in ("full", "speech"):
+                raise ServiceError(ErrorKind.INVALID_PARAMETER, f"band must be full or speech, got {band!r}")
+        out_file, writer, reader = await _enhance_file(request, upload, atten_lim_db, format, band)
     finally:
         upload.close()
     request.app.state.metrics.rest_seconds.observe(time.perf_counter() - t0)
@@ -113,7 +120,7 @@ async def enhance(
     return StreamingResponse(_iter_file(out_file), media_type=writer.media_type, headers=headers)
 
 
-async def _enhance_file(request: Request, upload, atten_lim_db, format):
+async def _enhance_file(request: Request, upload, atten_lim_db, format, band: str = "full"):
     """Decode -> scheduler -> encode, block by block. Returns (spooled output, writer, reader)."""
     settings, scheduler = request.app.state.settings, request.app.state.scheduler
     reader = AudioReader(upload, settings.max_channels, settings.max_duration_s)
@@ -123,7 +130,7 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format):
         info = reader.info
         fmt, subtype = output_format(format, info)
         writer = AudioWriter(out_file, fmt, subtype, info.sample_rate, info.channels)
-        job = scheduler.open(info.sample_rate, info.channels, atten_lim_db, False, Source.REST)
+        job = scheduler.open(info.sample_rate, info.channels, atten_lim_db, False, Source.REST, band)
         try:
             block = max(1, int(settings.rest_chunk_s * info.sample_rate))
             while (x := await run_in_threadpool(reader.read, block)) is not None:

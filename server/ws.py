@@ -1,7 +1,8 @@
 """Websocket /v1/stream: live audio in, enhanced audio out (protocol in README.md, "Streaming").
 
     client -> {"sample_rate": 48000, "encoding": "pcm_s16le", "channels": 1,
-               "atten_lim_db": null, "metadata": false}              optional start message
+               "atten_lim_db": null, "metadata": false, "band": "full"}  optional start message
+                                                                     (band "speech": nothing above 8 kHz)
     server -> {"type": "ready", ...}                                 stream parameters and delay
     client -> binary audio, any number of whole frames per message
     server -> binary enhanced audio (same encoding, rate, channels), sample-aligned with the input
@@ -112,7 +113,7 @@ class StreamSession:
         self.encoding = start.encoding
         self.channels = start.channels
         self.job = self.scheduler.open(start.sample_rate, start.channels, start.atten_lim_db, start.metadata,
-                                       Source.STREAM)
+                                       Source.STREAM, start.band)
         self.rate = self.job.sample_rate
         self.max_samples = int(s.max_stream_s * self.rate)
         self.max_buffered = max(int(s.max_buffered_s * self.rate), 1)
@@ -182,7 +183,7 @@ class StreamSession:
         cfg = self.scheduler.enhancer.config
         return {
             "type": "ready", "sample_rate": self.rate, "encoding": self.encoding, "channels": self.channels,
-            "atten_lim_db": start.atten_lim_db, "metadata": start.metadata,
+            "atten_lim_db": start.atten_lim_db, "metadata": start.metadata, "band": start.band,
             "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "delay_samples": delay_at(cfg, self.rate), "max_message_bytes": self.settings.max_message_bytes,
         }

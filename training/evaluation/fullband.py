@@ -182,6 +182,16 @@ def low_band(clean16: np.ndarray, out: np.ndarray, sr: int, dnsmos) -> dict[str,
 
 
 # ---------------------------------------------------------------------- systems
+def _to16(x: np.ndarray, sr: int) -> np.ndarray:
+    return soxr.resample(x, sr, 16000, quality="VHQ").astype(np.float32)
+
+
+def _back(y: np.ndarray, sr: int, n: int) -> np.ndarray:
+    """16 kHz output back at `sr`, `n` samples (the 16 kHz path's output, scored like the others)."""
+    y = soxr.resample(y, 16000, sr, quality="VHQ").astype(np.float32)[:n]
+    return np.pad(y, (0, n - len(y)))
+
+
 def systems(want_peer: bool) -> dict:
     from enhancer.runtime import Enhancer
 
@@ -190,7 +200,7 @@ def systems(want_peer: bool) -> dict:
         "noisy": lambda x, sr: x,
         "tim full band": lambda x, sr: enh.enhance(x, sr),
         "tim band=speech": lambda x, sr: enh.enhance(x, sr, band="speech"),
-        "tim 16 kHz path": lambda x, sr: enh.enhance(soxr.resample(x, sr, 16000, quality="VHQ").astype(np.float32), 16000),
+        "tim 16 kHz path": lambda x, sr: _back(enh.enhance(_to16(x, sr), 16000), sr, len(x)),
     }
     if want_peer:
         from training.peers.adapters import DeepFilterNet3
