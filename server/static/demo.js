@@ -95,7 +95,7 @@ function openSocket() {
     const sampleRate = ctx.sampleRate;
     sock.onopen = () => sock.send(JSON.stringify({
       sample_rate: sampleRate, encoding: "f32le", channels: 1,
-      atten_lim_db: atten === "" ? null : Number(atten), metadata: true,
+      atten_lim_db: atten === "" ? null : Number(atten), metadata: true, band: $("band").value,
     }));
     sock.onmessage = (e) => {
       if (sock !== ws) return; // a stopped stream's tail: nobody listens to it any more

@@ -6,7 +6,7 @@ import { FILE_RANGE_DB, FileSpectrogram, clock, drawColourBar, monoOf, stft } fr
 
 // Everything the view knows, readable by tests.
 const state = (window.fileState = {
-  status: "idle", error: null, name: null, size: 0, atten: null, uploadProgress: 0, runs: 0,
+  status: "idle", error: null, name: null, size: 0, atten: null, band: "full", uploadProgress: 0, runs: 0,
   sampleRate: null, channels: null, frames: null, durationS: null, format: null, contentType: null,
   enhancedBytes: 0, downloadName: null, enhanceMs: null, decoded: { original: false, enhanced: false },
   columns: { original: 0, enhanced: 0 }, listen: "enhanced", playing: false, position: 0, switches: 0,
@@ -80,6 +80,9 @@ function choose(f) {
 $("file-atten").addEventListener("change", () => {
   if (file) enhance(); // the same file again with the new limit
 });
+$("file-band").addEventListener("change", () => {
+  if (file) enhance(); // the same file again with the other band
+});
 
 // ------------------------------------------------------------------------------ upload
 function enhance() {
@@ -95,6 +98,8 @@ function enhance() {
   const url = new URL("/v1/enhance", location.href);
   url.search = "";
   if (state.atten !== null) url.searchParams.set("atten_lim_db", String(state.atten));
+  state.band = $("file-band").value;
+  if (state.band !== "full") url.searchParams.set("band", state.band);
   const xhr = (request = new XMLHttpRequest());
   xhr.open("POST", url);
   xhr.responseType = "arraybuffer";
