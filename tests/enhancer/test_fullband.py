@@ -1,0 +1,141 @@
+"""Full band above 16 kHz: the band above 8 kHz kept beside the model's (`enhancer.fullband`).
+
+Streaming == offline in any chunking, output length == input length, mono and stereo at 22.05,
+32, 44.1 and 48 kHz; the batched cursor path (what the service drives) gives the same output;
+16 kHz and below are untouched by the band switch; the upper band is there with band="full" and
+gone with band="speech"."""
+import numpy as np
+import pytest
+
+from enhancer.errors import AudioError
+from enhancer.fullband import check_band
+from tests.conftest import speechlike
+from tests.tolerance import assert_close_to_peak
+
+RATES = [22050, 32000, 44100, 48000]
+
+
+def noisy(sr: int, seconds: float, channels: int = 0, seed: int = 0) -> np.ndarray:
+    """Harmonic bursts with broadband noise (content up to the Nyquist frequency)."""
+    x = speechlike(int(seconds * sr), sr=sr, seed=seed, channels=channels)
+    r = np.random.default_rng(seed + 1)
+    return (x + 0.02 * r.standard_normal(x.shape)).astype(np.float32)
+
+
+def chunked(stream, x, rng, max_len):
+    parts, i = [], 0
+    while i < len(x):
+        k = int(rng.integers(1, max_len + 1))
+        parts.append(stream.feed(x[i:i + k]))
+        i += k
+    parts.append(stream.flush())
+    return np.concatenate(parts, axis=0)
+
+
+def upper_share(y: np.ndarray, sr: int) -> float:
+    y = y if y.ndim == 1 else y[:, 0]
+    p = np.abs(np.fft.rfft(y)) ** 2
+    return float(p[np.fft.rfftfreq(len(y), 1 / sr) > 8500].sum() / p.sum())
+
+
+@pytest.mark.parametrize("sr", RATES)
+@pytest.mark.parametrize("channels", [1, 2])
+def test_streaming_equals_offline_in_any_chunking(enhancer_rt, sr, channels):
+    x = noisy(sr, 1.2, channels if channels > 1 else 0, seed=sr)
+    ref = enhancer_rt.enhance(x, sr)
+    assert ref.shape == x.shape and ref.dtype == np.float32
+    rng = np.random.default_rng(sr + channels)
+    for max_len in (1 if sr == 22050 else 7, 300, 5000):
+        got = chunked(enhancer_rt.stream(sr, channels), x, rng, max_len)
+        assert got.shape == ref.shape
+        assert_close_to_peak(got, ref)
+    if channels == 2:  # channels are independent
+        assert_close_to_peak(ref[:, 1], enhancer_rt.enhance(x[:, 1], sr))
+
+
+@pytest.mark.parametrize("n", [1, 37, 700, 1411, 20000])
+def test_output_length_equals_input_length(enhancer_rt, n):
+    x = noisy(44100, n / 44100 + 1e-9, seed=n)[:n]
+    assert enhancer_rt.enhance(x, 44100).shape == (n,)
+    s = enhancer_rt.stream(44100)
+    assert chunked(s, x, np.random.default_rng(n), 100).shape == (n,)
+
+
+def test_batched_cursor_path_equals_offline(enhancer_rt):
+    """The service's batcher: one hop per call (take_hop/step/put_output with activity), skips
+    none; the same output as `Enhancer.enhance`."""
+    sr = 48000
+    x = noisy(sr, 1.0, 2, seed=3)
+    s = enhancer_rt.stream(sr, 2)
+    c = s.cursor
+    out, i = [], 0
+    while i < len(x):
+        c.push(x[i:i + 960])
+        i += 960
+        while c.ready_hops():
+            r = c.pool.step(c.lanes, c.take_hop(), c.gains)
+            c.put_output(r.out, r.competition, r.activity)
+        out.append(c.pull())
+    c.begin_flush()
+    while c.ready_hops():
+        r = c.pool.step(c.lanes, c.take_hop(), c.gains)
+        c.put_output(r.out, r.competition, r.activity)
+    out.append(c.end_flush())
+    got = np.concatenate(out)
+    assert got.shape == x.shape
+    assert_close_to_peak(got, enhancer_rt.enhance(x, sr))
+
+
+def test_skipped_hops_keep_the_length(enhancer_rt):
+    sr = 44100
+    x = noisy(sr, 1.0, seed=4)
+    c = enhancer_rt.stream(sr).cursor
+    c.push(x)
+    c.skip(5)
+    while n := c.ready_hops():
+        r = c.pool.run(c.lanes, c.take_hops(n), c.gains)
+        c.put_outputs(r.out, r.competition, r.activity)
+    first = c.pull()
+    c.begin_flush()
+    while n := c.ready_hops():
+        r = c.pool.run(c.lanes, c.take_hops(n), c.gains)
+        c.put_outputs(r.out, r.competition, r.activity)
+    y = np.concatenate([first, c.end_flush()])
+    assert y.shape == (len(x), 1) and np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("sr", [8000, 16000])
+def test_16k_and_below_the_band_changes_nothing(enhancer_rt, sr):
+    x = noisy(sr, 0.8, 2, seed=5)
+    assert np.array_equal(enhancer_rt.enhance(x, sr), enhancer_rt.enhance(x, sr, band="speech"))
+    assert not enhancer_rt.stream(sr).cursor.full_band
+
+
+@pytest.mark.parametrize("sr", RATES)
+def test_full_band_keeps_the_upper_band_and_speech_drops_it(sr):
+    """The shipped model on real speech (the golden Voicebank+DEMAND cut, taken up to `sr`) with an
+    upper band that follows the voice's level: full keeps it while the voice speaks, speech drops it."""
+    import soxr
+
+    from enhancer.runtime import Enhancer
+    from tests.golden_update import load_pair
+
+    enh = Enhancer.from_pretrained(providers=["CPUExecutionProvider"])
+    noisy16, clean16 = load_pair()
+    noisy16, clean16 = noisy16[:3 * 16000], clean16[:3 * 16000]
+    x = soxr.resample(noisy16, 16000, sr).astype(np.float32)
+    env = np.abs(soxr.resample(clean16, 16000, sr))
+    env = np.convolve(env, np.ones(400) / 400, mode="same")[:len(x)]
+    air = np.diff(np.random.default_rng(0).standard_normal(len(x) + 1)) * env  # the voice's upper band
+    x = (x + air[:len(x)]).astype(np.float32)
+    full, speech = enh.enhance(x, sr), enh.enhance(x, sr, band="speech")
+    assert full.shape == speech.shape == x.shape
+    assert upper_share(speech, sr) < 1e-3 * upper_share(x, sr)
+    assert upper_share(full, sr) > 0.2 * upper_share(x, sr)
+
+
+def test_band_is_checked(enhancer_rt):
+    assert check_band("full") == "full" and check_band("speech") == "speech"
+    for bad in ("wide", None, 1):
+        with pytest.raises(AudioError, match="band"):
+            enhancer_rt.stream(48000, band=bad)
