@@ -12,6 +12,7 @@ torchrun). This module only wires the sub-commands; each lives in its own module
     pack          the corpus as compressed shards (GPU machines)  training.data.shards
     bench-fit     where a training step's time goes               training.benchfit
     average       the mean of several checkpoints (model soup)    training.average
+    corpus        rebuild the training corpus from public sources training.data.corpus
 
     enhancer-train fit --preset tim --data ../enhancer-data --out runs/tim
     enhancer-train eval --model runs/tim/checkpoints/best.pt --noisy DIR --clean DIR --out report/
@@ -28,6 +29,7 @@ from enhancer.errors import EnhancerError
 
 from .average import add_average
 from .benchfit import add_bench_fit
+from .data.corpus import add_corpus
 from .data.manifests import DataError
 from .data.shards import add_pack
 from .data.synth_noise import add_synth_noise
@@ -76,6 +78,7 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
     add_pack(sub)
     add_bench_fit(sub)
     add_average(sub)
+    add_corpus(sub)
     return parser
 
 
