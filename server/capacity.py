@@ -277,6 +277,8 @@ class CapacityTracker:
                 new, seconds, direction = w.up.bound, now - w.up.since, "up"
             elif w.down.held(now, self.lower_after_s):
                 new, seconds, direction = max(w.down.bound, held), now - w.down.since, "down"
+            if new == 0 and not any(x.lanes for x in self.workers if x is not w):
+                new = 1  # as at start-up: one stream is admitted even when none fits
             if new == w.lanes:
                 continue
             self.reasons.append(
@@ -290,8 +292,6 @@ class CapacityTracker:
         if not self.reasons:
             return None
         per = [w.lanes for w in self.workers]
-        if sum(per) == 0:  # as at start-up: one stream is admitted even when none fits
-            per[0] = self.workers[0].lanes = 1
         self.capacity = dataclasses.replace(self.capacity, streams=min(sum(per), self.max_streams),
                                             per_worker=tuple(per))
         return self.capacity

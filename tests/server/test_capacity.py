@@ -435,3 +435,264 @@ def test_server_logs_when_ready_with_the_demo_url(model_path, caplog):
         assert "CPUExecutionProvider" in ready[0] and "1 worker(s), capacity 3 live stream(s) (fixed)" in ready[0]
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------------- capacity that follows the machine
+def test_available_cpus_is_the_affinity_bounded_by_the_cgroup_quota(tmp_path):
+    from server import cpus
+
+    v2 = tmp_path / "v2"
+    (v2 / "pod" / "app").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "pod" / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs on the parent
+    (v2 / "pod" / "app" / "cpu.max").write_text("400000 100000\n")  # 4 on the process's own: the parent's counts
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/pod/app\n")
+    assert cpus.cgroup_cpus(v2, proc) == 1.5
+    assert cpus.available_cpus(affinity=8, quota=1.5) == 2  # rounded up
+    assert cpus.available_cpus(affinity=1, quota=4.0) == 1  # the affinity mask is the tighter bound
+    assert cpus.available_cpus(affinity=6, quota=None) == 6
+    (v2 / "pod" / "cpu.max").write_text("max 100000\n")
+    assert cpus.cgroup_cpus(v2, proc) == 4.0
+    (v2 / "pod" / "app" / "cpu.max").write_text("max\n")
+    assert cpus.cgroup_cpus(v2, proc) is None  # no quota anywhere
+    v1 = tmp_path / "v1"
+    (v1 / "cpu" / "docker" / "abc").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("250000\n")
+    (v1 / "cpu" / "docker" / "abc" / "cpu.cfs_period_us").write_text("100000\n")
+    proc.write_text("12:cpu,cpuacct:/docker/abc\n0::/\n")
+    assert cpus.cgroup_cpus(v1, proc) == 2.5
+    assert cpus.cgroup_cpus(tmp_path / "none", tmp_path / "missing") is None  # no cgroup filesystem
+    assert cpus.available_cpus() >= 1
+
+
+def test_workers_default_to_the_available_cpus(monkeypatch):
+    from server import cpus
+
+    monkeypatch.setattr(cpus, "available_cpus", lambda: 3)
+    assert Settings.build().workers == 3 and Settings().workers == 3
+    assert Settings.build(workers=None).workers == 3
+    assert Settings.build(workers=2).workers == 2
+    assert Settings.build(device="cuda").workers == 1
+    import argparse
+
+    from server.cli import add_serve
+
+    top = argparse.ArgumentParser()
+    add_serve(top.add_subparsers(dest="command"))
+    assert top.parse_args(["serve"]).workers is None  # the command line leaves the default to Settings
+
+
+def test_overhead_lanes_is_fitted_to_the_calibration():
+    assert calibration.overhead_lanes({1: 6.0, 2: 9.0, 4: 15.0}) == pytest.approx(1.0)  # 3 x (1 + b)
+    assert calibration.overhead_lanes({1: 2.0}) == calibration.DEFAULT_OVERHEAD_LANES  # one size: no line
+    assert calibration.overhead_lanes({1: 5.0, 2: 4.0}) == calibration.DEFAULT_OVERHEAD_LANES  # not rising
+    assert calibration.overhead_lanes({1: 1.0, 2: 3.0, 4: 7.0}) == 0.0  # a negative intercept counts 0
+
+
+def step_ms(batch: int, slow: float) -> float:
+    """The step-time model of these tests: 1.5 ms + 0.4 ms per lane, times `slow` (3 while the machine is busy)."""
+    return slow * (1.5 + 0.4 * batch)
+
+
+def model_capacity(slow: float, workers: int, max_streams: int = 64) -> calibration.Capacity:
+    """What the start-up calibration measures under the model (the sizes it times, up to the first over the budget)."""
+    budget = 1000 * HOP_S * 0.6
+    points = {}
+    for b in calibration.BATCHES:
+        points[b] = step_ms(b, slow)
+        if points[b] > budget:
+            break
+    lanes = calibration.lanes_within(points, budget)
+    return calibration.Capacity(min(lanes * workers, max_streams), (lanes,) * workers, True, budget, 0.4,
+                                (dict(points),) * workers)
+
+
+def tick_samples(rng, lanes_live: int, capacity: int, slow: float, spike: bool = False) -> list[tuple[int, float]]:
+    """One second of a worker's step timings under the model: a live step per hop at the batch its streams
+    hold (+-10 % jitter), or four probe steps when it holds none."""
+    if lanes_live:
+        batch, n = lanes_live, 62
+    else:
+        batch, n = max(1, min(capacity, calibration.PROBE_LANES)), 4
+    d = step_ms(batch, slow) * rng.uniform(0.9, 1.1, n)
+    if spike:
+        d[0] *= 4  # a preemption
+    return [(batch, ms / 1000) for ms in d]
+
+
+def test_capacity_started_busy_rises_within_60_s_once_freed_and_falls_without_dropping_streams():
+    """Started while the machine is three times slower, the calibration admits few streams; once the
+    machine is freed the live steps' timings raise the capacity within 60 s, and 30 clients waiting
+    for room are admitted as it rises; busy again, it falls within seconds, never below the streams
+    admitted (none is dropped: lowering only stops admissions), and down to the busy figure as they leave."""
+    rng = np.random.default_rng(0)
+    workers = 2
+    busy = model_capacity(3.0, workers)
+    tracker = calibration.CapacityTracker(busy, max_streams=64, raise_after_s=10, lower_after_s=3)
+    assert busy.per_worker == (4, 4) and tracker.workers[0].overhead == pytest.approx(3.75)  # the model's 1.5 / 0.4
+    live = [0, 0]
+    demand = 24  # clients that want a stream: admitted as far as the capacity allows
+    cap, t, history = busy, 0.0, []
+
+    def run(seconds: float, slow: float, want: int):
+        nonlocal cap, t
+        for _ in range(int(seconds)):
+            t += 1.0
+            for i in range(workers):  # admission: to the worker with the most room, up to its capacity
+                while sum(live) < want and live[i] < cap.per_worker[i]:
+                    live[i] += 1
+            while sum(live) > want:  # clients leaving
+                live[live.index(max(live))] -= 1
+            new = tracker.update(t, [tick_samples(rng, live[i], cap.per_worker[i], slow) for i in range(workers)], live)
+            if new is not None:
+                assert all(p >= held for p, held in zip(new.per_worker, live)), (new, live)  # never below admitted
+                cap = new
+            history.append((t, cap.streams, sum(live)))
+
+    run(5, 3.0, demand)
+    start = cap.streams
+    assert start <= busy.streams and sum(live) == start  # busy: the calibration's figure (or the jitter's, lower)
+    freed = t
+    run(60, 1.0, demand)
+    rose = next(tt for tt, streams, _ in history if tt > freed and streams > start)
+    assert rose - freed <= 15, history
+    # the model fits 17 lanes in the budget less the headroom; the +-10 % jitter's p99 costs one or two
+    assert all(14 <= p <= 17 for p in cap.per_worker) and cap.streams >= 3 * start, history[-5:]
+    assert sum(live) == demand  # every waiting client was admitted as the capacity rose
+    assert tracker.changes["up"] >= 1
+    high, busy_again, admitted = cap.streams, t, list(live)
+    run(6, 3.0, demand)
+    assert live == admitted  # nobody dropped
+    fell = next(tt for tt, streams, _ in history if tt > busy_again and streams < high)
+    assert fell - busy_again <= 5, history[-8:]
+    assert cap.per_worker == tuple(admitted)  # held by the admitted streams: nothing new is admitted
+    run(10, 3.0, 0)  # the clients leave: the capacity falls to what the busy machine holds
+    assert all(1 <= p <= 4 for p in cap.per_worker) and tracker.changes["down"] >= 2, history[-5:]
+
+
+def test_capacity_ignores_isolated_spikes_and_needs_sustained_evidence():
+    rng = np.random.default_rng(1)
+    cap = model_capacity(1.0, 1)
+    tracker = calibration.CapacityTracker(cap, max_streams=64, raise_after_s=10, lower_after_s=3)
+    lanes = cap.per_worker[0]
+    for t in range(1, 61):  # a preemption in every other second (4x one step): never 3 s over the budget in a row
+        assert tracker.update(float(t), [tick_samples(rng, lanes, lanes, 1.0, spike=t % 2 == 0)], [lanes]) is None
+    for t in range(61, 63):  # two busy seconds: not yet sustained
+        assert tracker.update(float(t), [tick_samples(rng, lanes, lanes, 3.0)], [lanes]) is None
+    assert tracker.update(63.0, [tick_samples(rng, lanes, lanes, 1.0)], [lanes]) is None  # and the streak is over
+    assert tracker.update(64.0, [[(1, 0.001)]], [lanes]) is None  # too few steps timed in a tick: no evidence
+    assert tracker.capacity.per_worker == (lanes,)
+
+
+def test_worker_times_its_live_steps_and_probes_when_idle(enhancer_rt):
+    from server.commands import Close
+
+    w = Worker(0, enhancer_rt, 8, Metrics(), settings=Settings.build())
+    w.ledger.capacity = 3
+    w.probing = True
+    w.start()
+    try:
+        time.sleep(1.2)
+        probes = w.take_timings()
+        assert len(probes) >= 2 and {b for b, _ in probes} == {3} and all(s > 0 for _, s in probes), probes
+        assert w.pool.n_free == w.pool.capacity  # the probe's lanes went back
+        class Loop:  # where the worker hands output: nobody reads it here
+            def call_soon_threadsafe(self, *a):
+                pass
+
+        job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=16000, metadata=False, sent=0,
+                              loop=Loop())
+        w.submit(Open(job, None))
+        w.submit(Push(job, speechlike(16000, 16000, seed=3), time.perf_counter(), 1))
+        time.sleep(1.0)
+        live = w.take_timings()
+        assert live and {b for b, _ in live} == {1}, live  # the stream's steps; no probe while it is held
+        w.submit(Close(job))
+    finally:
+        w.stop()
+        w.join(timeout=10)
+
+
+def _fake_step(slow: dict):
+    """LanePool.step replaced by a step-time model, `slow` x (1 ms + 1 ms per lane), then silence: the
+    machine's speed is the test's."""
+    from enhancer.engine import StepResult
+
+    def step(self, lanes, hops, min_gain):
+        time.sleep(slow["x"] * (1 + len(lanes)) / 1000)
+        k = len(lanes)
+        return StepResult(out=np.zeros((k, hops.shape[-1]), np.float32), competition=None,
+                          activity=np.zeros(k, np.float32))
+
+    return step
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def test_server_capacity_follows_the_step_time(model_path, monkeypatch, caplog):
+    """A server whose step follows a model: started busy (3 ms + 3 ms per lane: the calibration admits 2
+    streams), freed (10x faster: the capacity rises to max_streams, 6, within seconds), busy again with 4
+    streams open (it falls to the 4 held: a fifth is refused with 1013, the four run to their end), and
+    down to 2 or less once they leave (this busy machine's sleeps overrun the model). The changes are
+    logged and in /readyz and /metrics."""
+    from enhancer.engine import LanePool
+
+    slow = {"x": 3.0}
+    monkeypatch.setattr(LanePool, "step", _fake_step(slow))
+    with caplog.at_level("INFO", logger="tim_enhancer.server"):
+        srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=None, max_streams=6, capacity_raise_s=2.0,
+                                                                capacity_lower_s=1.0)))
+        try:
+            def capacity():
+                return httpx.get(srv.base + "/readyz", timeout=10).json()["capacity"]
+
+            cap = capacity()
+            start = cap["streams"]
+            assert cap["calibrated"] and cap["follows"] and 1 <= start <= 2, cap  # 2, less where sleeps overrun
+            slow["x"] = 0.3
+            _wait_for(lambda: capacity()["streams"] == 6, 30, "the capacity rises to 6 once the machine is freed")
+            assert metric(srv, "tim_capacity_streams") == 6
+            assert metric(srv, 'tim_capacity_changes_total{direction="up"}') >= 1
+            x = speechlike(6 * 16000, 16000, seed=8)[:, None]
+
+            async def streams():
+                tasks = [asyncio.create_task(astream_through(srv.ws_url, x, 16000, [320] * 300, 0.0, realtime=True))
+                         for _ in range(4)]
+                await asyncio.sleep(1.5)
+                slow["x"] = 3.0  # busy again while they stream
+                deadline = time.time() + 20
+                while (await asyncio.to_thread(capacity))["streams"] != 4:
+                    assert time.time() < deadline, "the capacity did not fall to the 4 streams held"
+                    await asyncio.sleep(0.2)
+                def fifth():
+                    with connect(srv.ws_url) as ws:
+                        return json.loads(ws.recv(timeout=10))
+
+                err = await asyncio.to_thread(fifth)
+                assert err["kind"] == "over_capacity" and err["capacity"] == 4, err
+                return await asyncio.gather(*tasks)
+
+            for y, texts, code in asyncio.run(streams()):
+                assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)} and len(y) == len(x)
+            _wait_for(lambda: capacity()["streams"] <= 2, 20, "the capacity falls to the busy figure once the "
+                      "streams left")
+            assert capacity()["changes"]["down"] >= 2
+            assert metric(srv, 'tim_capacity_changes_total{direction="down"}') >= 2
+        finally:
+            srv.stop()
+    changes = [r.getMessage() for r in caplog.records if "re-estimated from the step timings" in r.getMessage()]
+    assert any(m.startswith(f"capacity: {start} -> ") for m in changes) and any(" -> 6 " in m for m in changes), changes
+    assert any(m.startswith("capacity: 6 -> 4 ") and "held by admitted streams" in m for m in changes), changes
+    assert any("follows the machine" in r.getMessage() for r in caplog.records)
