@@ -139,3 +139,22 @@ def test_band_is_checked(enhancer_rt):
     for bad in ("wide", None, 1):
         with pytest.raises(AudioError, match="band"):
             enhancer_rt.stream(48000, band=bad)
+
+
+@pytest.mark.parametrize("sr,channels", [(44100, 2), (32000, 1)])
+def test_cli_band(enhancer_rt, model_path, tmp_path, sr, channels):
+    """`enhancer denoise` keeps the full band by default; `--band speech` gives the model's band."""
+    import soundfile as sf
+
+    from enhancer.cli import main
+
+    x = noisy(sr, 0.9, channels if channels > 1 else 0, seed=7)
+    src = tmp_path / "in.wav"
+    sf.write(src, x, sr, subtype="FLOAT")
+    for band in ("full", "speech"):
+        dst = tmp_path / f"{band}.wav"
+        args = ["denoise", str(src), "-o", str(dst), "--model", str(model_path), "-q"]
+        assert main(args + ([] if band == "full" else ["--band", "speech"])) == 0
+        y, got_sr = sf.read(dst, dtype="float32")
+        assert got_sr == sr and y.shape == x.shape
+        assert_close_to_peak(y, enhancer_rt.enhance(x, sr, band=band))

@@ -216,3 +216,32 @@ def test_server_keeps_serving_after_bad_input(http, live, enhancer_rt):
         line = next(ln for ln in text.splitlines() if ln.startswith(f'tim_errors_total{{kind="{kind}"}}'))
         assert float(line.split()[-1]) >= 1, line
     assert 'tim_rest_requests_total{status="200"}' in text
+
+
+@pytest.mark.parametrize("sr,channels", [(44100, 2), (48000, 1)])
+def test_band_query_and_form_field(http, enhancer_rt, sr, channels):
+    """Full band is the default above 16 kHz; band=speech (query or form field) gives the model's band."""
+    # the test model's upper-band gain is mostly closed; the attenuation limit floors it (12 dB)
+    data = encode(signal(sr, channels, seed=11), sr, "WAV", "FLOAT")
+    full, _ = expected(enhancer_rt, data, atten_lim_db=12)
+    speech, _ = expected(enhancer_rt, data, atten_lim_db=12, band="speech")
+    assert_differs(full, speech)
+    q = {"atten_lim_db": 12}
+    r = http.post("/v1/enhance", params=q, content=data, headers={"Content-Type": "audio/wav"})
+    assert r.status_code == 200, r.text
+    assert_close_to_peak(decode(r.content)[0], full)
+    r = http.post("/v1/enhance", params=q | {"band": "speech"}, content=data, headers={"Content-Type": "audio/wav"})
+    assert r.status_code == 200, r.text
+    assert_close_to_peak(decode(r.content)[0], speech)
+    r = http.post("/v1/enhance", files={"file": ("x.wav", data, "audio/wav")}, data={"band": "speech", "atten_lim_db": "12"})
+    assert r.status_code == 200, r.text
+    y = decode(r.content)[0]
+    assert y.shape == speech.shape
+    assert_close_to_peak(y, speech)
+
+
+def test_bad_band(http):
+    r = http.post("/v1/enhance", params={"band": "wide"}, content=wav_bytes(48000), headers={"Content-Type": "audio/wav"})
+    assert r.status_code == 422, r.text
+    r = http.post("/v1/enhance", files={"file": ("x.wav", wav_bytes(48000), "audio/wav")}, data={"band": "wide"})
+    assert_error(r, 422, "invalid_parameter", "band")

@@ -432,3 +432,25 @@ def test_inference_failure_closes_1011_and_server_recovers(live, enhancer_rt, mo
     y, _, code = stream_through(live.ws_url, x, 16000, "f32le", [4000, 4000])
     assert code == 1000
     assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000))
+
+
+@pytest.mark.parametrize("sr,channels", [(44100, 2), (48000, 1)])
+def test_band_start_field(live, enhancer_rt, sr, channels):
+    """Full band is the default above 16 kHz; "band": "speech" gives the model's band only."""
+    rng = np.random.default_rng(sr)
+    x = speechlike(int(1.1 * sr), sr, seed=3, channels=channels if channels > 1 else 0).reshape(-1, channels)
+    x = (x + 0.02 * rng.standard_normal(x.shape)).astype(np.float32)
+    mono = (lambda a: a) if channels > 1 else (lambda a: a[:, 0])
+    for band in ("full", "speech", None):
+        start = {"atten_lim_db": 12} | ({} if band is None else {"band": band})  # 12 dB: the upper band floored open
+        y, texts, code = stream_through(live.ws_url, x, sr, "f32le", random_chunks(len(x), rng), start)
+        assert code == 1000 and y.shape == x.shape
+        assert texts[0]["band"] == (band or "full")
+        ref = enhancer_rt.enhance(mono(x), sr, 12, band=band or "full").reshape(x.shape)
+        assert_close_to_peak(y, ref)
+        if band == "speech":
+            assert np.abs(ref - enhancer_rt.enhance(mono(x), sr, 12).reshape(x.shape)).max() > 1e-3
+
+
+def test_bad_band_field(live):
+    expect_close(live.ws_url, [], 1007, "invalid_parameter", "band", start={"band": "wide"})
