@@ -28,6 +28,8 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
     d = p.add_argument_group("data (one of)")
     d.add_argument("--data", type=Path, help="corpus root with manifests/{speech,noise,music}_{train,valid}.tsv")
     d.add_argument("--dns-root", type=Path, help="DNS-Challenge checkout or its datasets/ folder (clean/, noise/)")
+    d.add_argument("--vb-root", type=Path, help="Voicebank+DEMAND folder: clean_trainset_*_wav/ as speech, noisy minus "
+                                                "clean of each pair as noise (the test set is never read)")
     d.add_argument("--speech", help="speech manifest(s): TRAIN[,VALID] (TSV or JSONL)")
     d.add_argument("--noise", help="noise manifest(s): TRAIN[,VALID]")
     d.add_argument("--music", help="music manifest(s): TRAIN[,VALID] (optional)")
@@ -72,9 +74,9 @@ def model_config(args) -> ModelConfig | None:
 def training_data(args):
     from .data import layouts
 
-    given = [n for n in ("data", "dns_root", "speech", "shards") if getattr(args, n)]
+    given = [n for n in ("data", "dns_root", "vb_root", "speech", "shards") if getattr(args, n, None)]
     if len(given) != 1:
-        raise DataError("give exactly one data source: --data ROOT, --dns-root DIR, --shards DIR, "
+        raise DataError("give exactly one data source: --data ROOT, --dns-root DIR, --vb-root DIR, --shards DIR, "
                         "or --speech and --noise manifests")
     if args.shards:
         from .data.shards import packed_layout
@@ -84,6 +86,9 @@ def training_data(args):
         return layouts.corpus_layout(args.data)
     if args.dns_root:
         return layouts.dns_layout(args.dns_root)
+    if getattr(args, "vb_root", None):
+        noise_dir = layouts.vb_noise_dir(args.vb_root, getattr(args, "cache_dir", None))
+        return layouts.vb_layout(args.vb_root, noise_dir=noise_dir, log=_log)
     if not args.noise:
         raise DataError("--speech needs --noise (and optionally --music)")
     return layouts.manifest_layout(args.speech, args.noise, args.music)

@@ -6,6 +6,10 @@ Training sources (speech / noise / music manifests, train and valid):
 * a DNS-Challenge checkout: `datasets/clean/**` (speech, speaker from `reader_NNNN` in the name or
   else the sub-folder) and `datasets/noise/**`, split into train/valid by a hash of the speaker
   (speech) or the path (noise)
+* Voicebank+DEMAND's training set: `clean_trainset_*_wav/` as speech and, for each noisy/clean pair
+  of `noisy_trainset_*_wav/`, the noise the pair was made with (noisy minus clean, written once at
+  16 kHz); the test set (`*_testset_*`, speakers p232 and p257) is never read, and speaker p228 is
+  left out (this project evaluates on it)
 * explicit manifests (`--speech`, `--noise`, `--music`, each `TRAIN[,VALID]`)
 
 Evaluation pairs (noisy, clean):
@@ -138,6 +142,107 @@ def dns_layout(root, valid_percent: float = 5.0) -> TrainingData:
     data.train["speech"], data.valid["speech"] = split_by_hash(speech, by_group=True, percent=valid_percent)
     data.train["noise"], data.valid["noise"] = split_by_hash(noises, by_group=False, percent=valid_percent)
     return data.check()
+
+
+# VCTK / Voicebank speakers that evaluations use: p232 and p257 are the Voicebank+DEMAND test set,
+# p228 this project's own held-out speaker (`training/README.md`, "Training data")
+VB_TEST_SPEAKERS = ("p232", "p257")
+VB_EVAL_SPEAKERS = ("p228",) + VB_TEST_SPEAKERS
+_VB_SPEAKER = re.compile(r"^(p\d{3})_")
+
+
+def vb_layout(root, noise_dir=None, valid_percent: float = 5.0, log=print) -> TrainingData:
+    """Voicebank+DEMAND training set (`ROOT/clean_trainset_*_wav`, `ROOT/noisy_trainset_*_wav`, the
+    same file names in both). Speech: the clean files. Noise: noisy minus clean for every pair (the
+    DEMAND / babble noise at the pair's SNR), resampled to 16 kHz and written once to `noise_dir`
+    (default: beside the audio cache). Both split by speaker (about `valid_percent` % valid).
+    The test folders are never read; a training folder holding a test speaker (p232, p257) is refused
+    and p228 (evaluated on in this project) is skipped."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"Voicebank+DEMAND root not found: {root}")
+    if "testset" in root.name:
+        raise DataError(f"{root} is the Voicebank+DEMAND test set: evaluation material, never used for training "
+                        "(give the folder that holds clean_trainset_*_wav and noisy_trainset_*_wav)")
+    clean_dirs = sorted(d for d in root.glob("clean_trainset*") if d.is_dir())
+    if not clean_dirs:
+        raise DataError(f"Voicebank+DEMAND layout: no clean_trainset_*_wav folder in {root}"
+                        + (" (only the test set is there: it is never used for training)"
+                           if any(root.glob("*testset*")) else ""))
+    skipped_test = sorted(d.name for d in root.glob("*testset*"))
+    if skipped_test:
+        log(f"Voicebank+DEMAND: not reading {', '.join(skipped_test)} (the test set is never used for training)")
+    noise_dir = Path(noise_dir) if noise_dir else vb_noise_dir(root)
+    speech, noises, left_out = [], [], 0
+    for cdir in clean_dirs:
+        ndir = root / cdir.name.replace("clean_", "noisy_", 1)
+        if not ndir.is_dir():
+            raise DataError(f"Voicebank+DEMAND layout: {cdir} has no noisy counterpart {ndir}")
+        for path in audio_files(cdir):
+            m = _VB_SPEAKER.match(path.name)
+            spk = m.group(1) if m else path.stem.split("_")[0]
+            if spk in VB_TEST_SPEAKERS:
+                raise DataError(f"{path}: speaker {spk} belongs to the Voicebank+DEMAND test set, yet is in a training "
+                                "folder; refusing to train on it")
+            if spk in VB_EVAL_SPEAKERS:
+                left_out += 1
+                continue
+            noisy = ndir / path.relative_to(cdir)
+            if not noisy.is_file():
+                raise DataError(f"Voicebank+DEMAND layout: {path.name} has no noisy version in {ndir}")
+            speech.append(Item(str(path), group=f"vctk {spk}"))
+            noises.append((noisy, path, noise_dir / cdir.name / (str(path.relative_to(cdir).with_suffix("")) + ".flac"),
+                           f"vb-noise {spk}"))
+    if not speech:
+        raise DataError(f"Voicebank+DEMAND layout: no usable clean files under {root}")
+    if left_out:
+        log(f"Voicebank+DEMAND: left out {left_out} files of speaker p228 (an evaluation speaker of this project)")
+    made = 0
+    for noisy, clean, out, _ in noises:
+        if not out.is_file():
+            _write_vb_noise(noisy, clean, out)
+            made += 1
+            if made % 1000 == 0:
+                log(f"Voicebank+DEMAND: derived {made} noise files (noisy - clean) in {noise_dir}")
+    if made:
+        log(f"Voicebank+DEMAND: derived {made} noise files (noisy - clean) in {noise_dir}")
+    noise_items = [Item(str(out), group=g) for _, _, out, g in noises]
+    data = TrainingData(description=f"Voicebank+DEMAND {root}")
+    data.train["speech"], data.valid["speech"] = split_by_hash(speech, by_group=True, percent=valid_percent)
+    valid_speakers = {it.group.split()[1] for it in data.valid["speech"]}
+    data.train["noise"] = [it for it in noise_items if it.group.split()[1] not in valid_speakers]
+    data.valid["noise"] = [it for it in noise_items if it.group.split()[1] in valid_speakers]
+    return data.check()
+
+
+def vb_noise_dir(root, cache_root=None) -> Path:
+    """Where the derived noise of a Voicebank+DEMAND root goes: `vb-noise/<md5 of the root>` beside
+    the audio cache (`cache_root`, default ~/.cache/tim-enhancer/audio)."""
+    from .audio_cache import default_cache_root
+
+    key = hashlib.md5(str(Path(root).resolve()).encode()).hexdigest()[:12]
+    return Path(cache_root or default_cache_root()).parent / "vb-noise" / key
+
+
+def _write_vb_noise(noisy: Path, clean: Path, out: Path) -> None:
+    """noisy - clean at 16 kHz (resampling is linear, so this is the resampled noise), as 24-bit FLAC."""
+    import numpy as np
+    import soundfile as sf
+
+    from .audio_cache import AudioReadError, load_audio
+
+    try:
+        a, b = load_audio(noisy), load_audio(clean)
+    except AudioReadError as e:
+        raise DataError(f"Voicebank+DEMAND: cannot read {noisy} or {clean}: {e}") from None
+    n = min(len(a), len(b))
+    if abs(len(a) - len(b)) > 160:
+        raise DataError(f"Voicebank+DEMAND: {noisy} and {clean} differ in length; not a noisy/clean pair")
+    d = np.clip(a[:n] - b[:n], -1.0, 1.0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_name(out.name + ".part")
+    sf.write(str(part), d, 16000, subtype="PCM_24", format="FLAC")
+    part.replace(out)
 
 
 def dns_datasets_dir(root) -> Path:
