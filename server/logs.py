@@ -1,4 +1,6 @@
-"""Logging set-up for uvicorn: the same format, with API keys in query strings redacted."""
+"""Logging set-up for uvicorn: the same format, with API keys in query strings redacted; the service's
+own logger (`tim_enhancer`: start-up, capacity and its changes, refusals, the drain) at INFO on the
+same handler (without it, Python's last-resort handler shows warnings only)."""
 from __future__ import annotations
 
 import copy
@@ -27,4 +29,6 @@ def log_config() -> dict:
     cfg.setdefault("filters", {})["redact_api_key"] = {"()": RedactApiKey}
     for handler in cfg["handlers"].values():
         handler.setdefault("filters", []).append("redact_api_key")
+    # propagate: a handler on the root logger (pytest's caplog, an embedding application's) sees it too
+    cfg["loggers"]["tim_enhancer"] = {"handlers": ["default"], "level": "INFO", "propagate": True}
     return cfg
