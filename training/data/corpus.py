@@ -519,7 +519,6 @@ def _ignored(path: Path) -> bool:
     """Whether git ignores `path` in this checkout (True when git is not there to ask)."""
     if shutil.which("git") is None:
         return True
-    path.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(["git", "-C", str(RECIPE_DIR.parents[1]), "check-ignore", "-q", str(path.resolve())],
                        capture_output=True)
     return r.returncode != 1 or not (RECIPE_DIR.parents[1] / ".git").exists()
