@@ -12,7 +12,7 @@ TEST_STAMP  = $(VENV)/.installed-test-$(SUM)
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test bench bench-peers install install-serve clean browser
+.PHONY: serve test test-cluster bench bench-peers install install-serve clean browser haproxy
 
 $(SERVE_STAMP): pyproject.toml
 	@echo "installing tim-enhancer for serving into $(VENV) (editable, extras cpu,serve: no torch)"
@@ -47,6 +47,19 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null && \
 		echo "make test: chromium installed at $$(command -v chromium)"; } || \
 		echo "chromium is not installed: the browser demo test will not run"
+
+# The scale-out test (tests/cluster): three replicas behind Debian's haproxy on loopback, about 2 minutes.
+# haproxy is installed like chromium above (root and apt-get; NO_HAPROXY_INSTALL=1 skips it: the test is then skipped).
+test-cluster: $(TEST_STAMP) haproxy
+	$(BIN)/python -m pytest -q -s -m cluster tests/cluster
+
+haproxy:
+	@command -v haproxy >/dev/null 2>&1 || { [ -z "$(NO_HAPROXY_INSTALL)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		echo "make test-cluster: installing Debian's haproxy system-wide with apt-get (NO_HAPROXY_INSTALL=1 skips this)" && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null && \
+		systemctl disable --now haproxy >/dev/null 2>&1; \
+		echo "make test-cluster: haproxy installed at $$(command -v haproxy)"; } || \
+		echo "haproxy is not installed: the cluster test will be skipped"
 
 bench: $(SERVE_STAMP)
 	$(BIN)/enhancer bench

@@ -310,7 +310,12 @@ def test_haproxy_config_is_websocket_and_readiness_aware():
     default = next(ln for ln in lines if ln.startswith("default-server"))
     assert " check" in default and "agent-check" in default
     servers = [ln for ln in lines if ln.startswith("server ")]
-    assert len(servers) == 3 and all("agent-port" in s for s in servers)
+    active = [ln for ln in servers if " backup" not in ln]
+    spill = [ln for ln in servers if " backup" in ln]
+    assert len(active) == 3 and all("agent-port" in s for s in active)
+    # the spill-over backups: the same replicas without the agent (a full cluster answers 1013, not 503)
+    assert sorted(s.split()[2] for s in spill) == sorted(s.split()[2] for s in active)
+    assert all("no-agent-check" in s for s in spill) and "option redispatch" in lines
 
 
 def test_haproxy_accepts_the_config(tmp_path):
@@ -321,10 +326,11 @@ def test_haproxy_accepts_the_config(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     # the Kubernetes variant from its comments: server-template through the cluster DNS
     text = HAPROXY_CFG.read_text()
-    template = re.search(r"#\s+(server-template .*)", text).group(1)
+    templates = re.findall(r"#\s+(server-template .*)", text)
+    assert len(templates) == 2 and "backup" in templates[1]
     resolvers = re.search(r"#\s+(resolvers k8s\n(?:\s*#\s{5,}.*\n)+)", text).group(1)
-    k8s = re.sub(r"\n\s*server r\d .*", "", text) + "\n" + re.sub(r"#\s+", "    ", resolvers)
-    k8s = k8s.replace("\nbackend enhancer\n", f"\nbackend enhancer\n    {template}\n")
+    k8s = re.sub(r"\n[ \t]*server [rs]\d .*", "", text) + "\n" + re.sub(r"#\s+", "    ", resolvers)
+    k8s = k8s.replace("\nbackend enhancer\n", "\nbackend enhancer\n" + "".join(f"    {t}\n" for t in templates))
     (tmp_path / "k8s.cfg").write_text(k8s)
     out = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "k8s.cfg")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -386,6 +392,7 @@ def test_haproxy_sends_new_connections_to_free_capacity(tmp_path):
     cfg = cfg.replace("bind :8000", f"bind 127.0.0.1:{front}").replace("bind 127.0.0.1:8404", f"bind 127.0.0.1:{stats}")
     servers = "".join(f"\n    server {r.name} 127.0.0.1:{r.port} agent-port {r.agent_port}" for r in replicas)
     cfg = re.sub(r"(\n[ \t]*server r\d [^\n]*)+", lambda m: servers, cfg, count=1)
+    cfg = re.sub(r"\n[ \t]*server s\d [^\n]*", "", cfg)  # no spill-over here: one replica has room
     (tmp_path / "h.cfg").write_text(cfg)
     proc = subprocess.Popen([haproxy, "-f", str(tmp_path / "h.cfg")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
