@@ -2,7 +2,7 @@
 
 Training sources (speech / noise / music manifests, train and valid):
 
-* the tim-enhancer corpus built by `materialize.sh`: `ROOT/manifests/{speech,noise,music}_{train,valid}.tsv`
+* the tim-enhancer corpus built by `enhancer-train corpus`: `ROOT/manifests/{speech,noise,music}_{train,valid}.tsv`
 * a DNS-Challenge checkout: `datasets/clean/**` (speech, speaker from `reader_NNNN` in the name or
   else the sub-folder) and `datasets/noise/**`, split into train/valid by a hash of the speaker
   (speech) or the path (noise)
@@ -85,7 +85,7 @@ def corpus_layout(root, hold_out: bool = True) -> TrainingData:
                     f"To train now from what is here, see the quickstart in training/README.md: "
                     f"--speech {root / 'speech' / 'files.tsv'} with generated noise (enhancer-train synth-noise)")
         raise DataError(f"{root} has no manifests/ folder; expected manifests/{{speech,noise,music}}_{{train,valid}}.tsv "
-                        "(build the corpus with ../shared/data/debian/materialize.sh)." + hint)
+                        "(build the corpus with `enhancer-train corpus --out DIR`; training/README.md, \"Training data\")." + hint)
     data = TrainingData(description=f"corpus {root}")
     for split in ("train", "valid"):
         lists = data.train if split == "train" else data.valid
