@@ -1,0 +1,115 @@
+"""`python -m training.gpustage` on the CPU: prepare a tiny corpus in several pieces, move them as the
+printed calls say into a stand-in for the device's tree, run two steps there; and the failures: a
+damaged or missing piece stops the run at once, with the reason in summary.json and the log."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from training import gpustage
+
+
+@pytest.fixture(scope="module")
+def carried(corpus, cache_dir, tiny_ckpt, tmp_path_factory) -> Path:
+    """gpu-carry/ of the tiny corpus, in pieces of 0.5 MiB, with the tiny model as the init."""
+    out = tmp_path_factory.mktemp("here") / "gpu-carry"
+    rc = gpustage.main(["prepare", "--data", str(corpus), "--out", str(out), "--cache-dir", str(cache_dir),
+                        "--piece-mb", "0.5", "--no-wheels", "--init", str(tiny_ckpt), "--minutes", "1.5", "--",
+                        "--batch-size", "2", "--segment-seconds", "1", "--norm-examples", "4", "--valid-every", "0",
+                        "--threads", "1", "--log-every", "1", "--checkpoint-minutes", "0"])
+    assert rc == 0
+    return out
+
+
+def device_tree(carried: Path, tmp_path: Path, skip: int | None = None) -> Path:
+    """Make each call's moves (all but call `skip`) in a fresh folder standing for the device's tree."""
+    plan = json.loads((carried / "plan.json").read_text())
+    root = tmp_path / "device"
+    for k, call in enumerate(plan["calls"]):
+        for c in call["carry"]:  # the tool copies the carried paths into the tree
+            src, dst = carried.parent / c, root / c
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+        if k != skip:
+            subprocess.run(call["move"], shell=True, cwd=root, check=True, capture_output=True)
+    return root
+
+
+def test_prepare_writes_pieces_plan_and_calls(carried):
+    plan = json.loads((carried / "plan.json").read_text())
+    pieces = plan["pieces"]
+    assert len(pieces) >= 2 and plan["format"] == gpustage.FORMAT
+    assert all(p["mib"] <= 0.5 for p in pieces)
+    assert "init.pt" in pieces[0]["files"] and plan["init"] == "piece-00/init.pt"
+    assert sum((carried / p["name"] / f"part-{k:02d}").stat().st_size for k, p in enumerate(pieces)) == plan["tar"]["bytes"]
+    assert set(plan["pack"]) >= {"speech_train", "noise_train", "speech_valid", "noise_valid"}
+    calls = plan["calls"]
+    assert [c["carry"][0] for c in calls] == [f"gpu-carry/{p['name']}" for p in pieces]
+    assert calls[-1]["carry"][1] == "gpu-carry/plan.json" and all(c["run"] is None for c in calls[:-1])
+    assert calls[-1]["command"].endswith("python3 -m training.gpustage run --plan gpu-carry/plan.json --minutes 1.5")
+    assert plan["fit"][:2] == ["--batch-size", "2"]
+    assert not (carried / "staging").exists() and not (carried / "corpus.tar").exists()
+
+
+def test_run_trains_averages_and_reports(carried, tmp_path, monkeypatch):
+    root = device_tree(carried, tmp_path)
+    out = tmp_path / "OUT"
+    monkeypatch.chdir(root)
+    rc = gpustage.main(["run", "--plan", "gpu-carry/plan.json", "--minutes", "1.5", "--out", str(out), "--",
+                        "--max-steps", "2"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert rc == 0, summary
+    assert summary["status"] == "ok" and summary["error"] is None
+    assert set(gpustage.OUTPUTS) <= set(summary["outputs"]) == {p.name for p in out.iterdir()}
+    assert summary["fit"]["result"]["step"] == 2 and summary["fit"]["returncode"] == 0
+    assert summary["checkpoints_averaged"] == ["step-00000001.pt", "step-00000002.pt"]
+    assert summary["throughput"]["rows"] == 2 and summary["throughput"]["median"] > 0
+    assert summary["device"]["cuda"] is False and summary["below_expected"] is False
+    assert summary["wall_s"] < 90 + 5
+    cmd = summary["fit"]["command"]
+    assert cmd[cmd.index("--init") + 1].endswith("piece-00/init.pt") and cmd[cmd.index("--precision") + 1] == "bf16"
+    assert (root / ".gpu/shards/index.json").is_file()
+    from enhancer import load_checkpoint
+
+    assert load_checkpoint(out / "gpustage.pt").checkpoint["extra"]["averaged"]
+
+
+def test_a_damaged_piece_stops_the_run_at_once(carried, tmp_path, monkeypatch):
+    root = device_tree(carried, tmp_path)
+    part = root / ".gpu" / "piece-01" / "part-01"
+    part.write_bytes(part.read_bytes()[:-10])  # a partial copy
+    out = tmp_path / "OUT"
+    monkeypatch.chdir(root)
+    assert gpustage.main(["run", "--plan", "gpu-carry/plan.json", "--out", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["stage"] == "pieces" and "fit" not in summary
+    assert "piece-01/part-01: sha256 differs" in summary["error"] and "repeat call 2" in summary["error"]
+    assert "FAILED at pieces" in (out / "gpustage.log").read_text()
+    assert not (root / ".gpu" / "shards").exists()
+
+
+def test_a_missing_piece_names_the_call_to_repeat(carried, tmp_path, monkeypatch):
+    root = device_tree(carried, tmp_path, skip=0)
+    out = tmp_path / "OUT"
+    monkeypatch.chdir(root)
+    assert gpustage.main(["run", "--plan", "gpu-carry/plan.json", "--out", str(out)]) == 1
+    error = json.loads((out / "summary.json").read_text())["error"]
+    assert "piece-00/" in error and "is missing: repeat call 1: carry gpu-carry/piece-00" in error
+
+
+def test_the_run_shrinks_to_fit_the_device_budget(tmp_path, capsys):
+    staging = tmp_path / "pack"
+    staging.mkdir()
+    (staging / "index.json").write_text(json.dumps({"sets": {"speech_train": {"seconds": 3600.0}}}))
+    (staging / "speech_train-000.flac").write_bytes(bytes(1 << 20))
+    args = ["prepare", "--staging", str(staging), "--piece-mb", "0.1", "--no-wheels", "--init", ""]
+    assert gpustage.main([*args, "--out", str(tmp_path / "a" / "gpu-carry")]) == 0  # 11 pieces: 7 minutes left
+    plan = json.loads((tmp_path / "a" / "gpu-carry" / "plan.json").read_text())
+    assert len(plan["pieces"]) == 11 and plan["minutes"] == 7 and plan["init"] is None
+    assert plan["calls"][-1]["command"].endswith("--minutes 7") and "11. carry" in capsys.readouterr().out
+    assert gpustage.main([*args, "--out", str(tmp_path / "b" / "gpu-carry"), "--budget", "10"]) == 2
+    assert "pack less" in capsys.readouterr().err
