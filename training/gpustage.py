@@ -123,8 +123,8 @@ def prepare(a, fit_flags: list[str]) -> int:
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise Failure(f"{out} is not empty: remove it first")
-    if out.resolve().parent == ROOT and subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", out.name],
-                                                                      check=False).returncode:
+    ignored = ["git", "-C", str(ROOT), "check-ignore", "-q", f"{out.name}/plan.json"]
+    if out.resolve().parent == ROOT and subprocess.run(ignored, check=False).returncode:
         raise Failure(f"{out.name}/ is not ignored by git: every call would carry all of it (.gitignore)")
     if a.init and not Path(a.init).is_file():
         raise Failure(f"--init {a.init}: no such file")
@@ -265,14 +265,15 @@ def _sub(cmd: list, site: Path | None, timeout: float) -> subprocess.CompletedPr
 
 
 def _fit(cmd: list, site: Path, out: Path, log, left) -> tuple[int, str]:
-    """Run fit until it stops, or until 20 s before the deadline: then SIGTERM (it saves and stops)."""
+    """Run fit until it stops, or until 20 s before the deadline: then SIGTERM (it saves and stops), and
+    5 s before it SIGKILL to its process group."""
     with open(out / "fit.out", "w+") as fout:
         proc = subprocess.Popen([sys.executable, *cmd], stdout=fout, stderr=log, env=_env(site), start_new_session=True)
         try:
             proc.wait(timeout=max(1.0, left() - 20.0))
         except subprocess.TimeoutExpired:
             _write(log, "fit still running near the deadline: SIGTERM", True)
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # the trainer alone: it stops its mixing processes itself
             try:
                 proc.wait(timeout=max(1.0, left() - 5.0))
             except subprocess.TimeoutExpired:
