@@ -37,6 +37,7 @@ serve: $(SERVE_STAMP)
 	$(BIN)/enhancer serve --host $(HOST) --port $(PORT)
 
 test: $(TEST_STAMP) browser
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 # The browser demo's test needs Chromium: install Debian's package when missing and we are root

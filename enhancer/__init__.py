@@ -8,8 +8,18 @@ from .errors import AudioDecodeError, AudioError, CheckpointError, EnhancerError
 from .version import __version__
 
 __all__ = [
-    "ModelConfig", "STFTConfig", "build_model", "save_checkpoint", "load_checkpoint",
-    "Enhancer", "StreamingEnhancer", "EnhancerError", "AudioError", "AudioDecodeError", "CheckpointError",
+    "AudioDecodeError",
+    "AudioError",
+    "CheckpointError",
+    "Enhancer",
+    "EnhancerError",
+    "ModelConfig",
+    "STFTConfig",
+    "StreamingEnhancer",
+    "__version__",
+    "build_model",
+    "load_checkpoint",
+    "save_checkpoint",
 ]
 
 

@@ -8,14 +8,20 @@ core so that memory stays bounded on hour-long files.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from .errors import (AudioDecodeError, AudioError, EmptyAudioError, EnhancerError, OutputFormatError,
-                     UnsupportedAudioError)
+from .errors import (
+    AudioDecodeError,
+    AudioError,
+    EmptyAudioError,
+    EnhancerError,
+    OutputFormatError,
+    UnsupportedAudioError,
+)
 from .signal import MAX_ABS_SAMPLE, check_rate, nonfinite_and_peak
 
 BLOCK_SECONDS = 10.0
@@ -156,10 +162,10 @@ class AudioReader:
     def close(self) -> None:
         try:
             self.sf.close()
-        except Exception:  # noqa: BLE001 - closing a broken decoder must not mask the real error
+        except Exception:  # closing a broken decoder must not mask the real error
             pass
 
-    def __enter__(self) -> "AudioReader":
+    def __enter__(self) -> AudioReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -273,7 +279,7 @@ class AudioWriter:
         """Close after a failure (the output is thrown away)."""
         try:
             self.sf.close()
-        except Exception:  # noqa: BLE001 - the real error is already on its way
+        except Exception:  # the real error is already on its way
             pass
 
     @property

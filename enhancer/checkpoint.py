@@ -69,7 +69,7 @@ def read_checkpoint(path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a corrupt or foreign file
+    except Exception as e:  # any unpickling failure means a corrupt or foreign file
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a tim-enhancer checkpoint (format {blob.get('format') if isinstance(blob, dict) else None!r})")

@@ -84,7 +84,7 @@ class ModelConfig:
         return tuple(_PRESETS)
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """`tim` (TIM-Comp, n_s=2, default), `tim-nocomp`, `tim4` (n_s=4), `baseline`,
         `tim-lowlatency` (0 lookahead frames, 32 ms algorithmic latency)."""
         if name not in _PRESETS:
@@ -153,7 +153,7 @@ class ModelConfig:
         return {STORED_AS.get(k, k): v for k, v in d.items()}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """The config of `to_dict`, also as stored before a field was renamed (`RENAMED`: the
         checkpoints, exported models and run folders written then)."""
         d = _renamed(d)

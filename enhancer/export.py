@@ -41,9 +41,9 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     import onnx
     import torch
 
-    from .version import __version__
     from .model import StreamingStep, count_parameters
     from .step_io import STEP_FORMAT, init_caches, input_names, output_names
+    from .version import __version__
 
     def _say(msg: str) -> None:
         if verbose:

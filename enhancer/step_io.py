@@ -6,8 +6,9 @@ Shared by the torch side (the step module, export, the parity check) and the run
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class StepOutputs:
     states: list  # the updated state caches, in `state_specs` order
 
     @classmethod
-    def decode(cls, cfg: ModelConfig, values: Sequence, names: Sequence[str] | None = None) -> "StepOutputs":
+    def decode(cls, cfg: ModelConfig, values: Sequence, names: Sequence[str] | None = None) -> StepOutputs:
         """The outputs of a call, given in the order of `names` (default: `output_names(cfg)`, the
         order of the graph and of the torch step's tuple), picked out by name."""
         names = output_names(cfg) if names is None else list(names)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .settings import Settings
 
-__all__ = ["run", "create_app", "Settings", "Server", "StartupError", "uvicorn_config"]
+__all__ = ["Server", "Settings", "StartupError", "create_app", "run", "uvicorn_config"]
 _SERVING = ("Server", "StartupError", "uvicorn_config")
 
 

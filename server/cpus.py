@@ -95,7 +95,7 @@ def cgroup_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> fl
     return min(quotas) if quotas else None
 
 
-def available_cpus(affinity: int | None = None, quota: float | None | str = "read") -> int:
+def available_cpus(affinity: int | None = None, quota: float | str | None = "read") -> int:
     """CPUs this process may use: the affinity mask bounded by the cgroup quota (rounded up), at
     least 1. `affinity` / `quota` replace what is read from the system (tests)."""
     n = affinity_cpus() if affinity is None else affinity

@@ -9,7 +9,7 @@ its duration.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .admission import LaneLedger
 from .streams import StreamState

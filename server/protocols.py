@@ -48,7 +48,7 @@ class StallGuard:
         self._stall_timer = None
         peer = getattr(self, "client", None)
         log.warning("client %s read nothing for %g s while output was waiting: dropping the connection",
-                    "%s:%s" % peer if peer else "?", self.stall_timeout_s)
+                    f"{peer[0]}:{peer[1]}" if peer else "?", self.stall_timeout_s)
         if self.on_stall is not None:
             self.on_stall()
         self.transport.abort()

@@ -66,7 +66,7 @@ class Settings:
             object.__setattr__(self, "workers", 1 if self.device == "cuda" else available_cpus())
 
     @classmethod
-    def build(cls, **kwargs) -> "Settings":
+    def build(cls, **kwargs) -> Settings:
         """Settings from keyword arguments; the API key, CORS origins, drain timeout and agent port may
         come from the environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_CORS_ORIGINS (comma-separated),
         $TIM_ENHANCER_DRAIN_TIMEOUT_S, $TIM_ENHANCER_AGENT_PORT); a keyword argument wins."""

@@ -13,7 +13,7 @@ from .messages import Event, Source
 class Arrivals:
     """When a live stream's hops arrived, to tell when each one is due."""
 
-    __slots__ = ("pushes", "hops_in", "first_arrival")
+    __slots__ = ("first_arrival", "hops_in", "pushes")
 
     def __init__(self):
         self.pushes: collections.deque = collections.deque()  # (hops_in after a push, its arrival time)
@@ -38,8 +38,19 @@ class Arrivals:
 class StreamState:
     """A worker's state for one job (its thread only)."""
 
-    __slots__ = ("job", "cursor", "acked", "flushing", "dirty", "ready_since", "live", "arrivals", "due", "behind",
-                 "events")
+    __slots__ = (
+        "acked",
+        "arrivals",
+        "behind",
+        "cursor",
+        "dirty",
+        "due",
+        "events",
+        "flushing",
+        "job",
+        "live",
+        "ready_since",
+    )
 
     def __init__(self, job: JobHandle, cursor: StreamCursor):
         self.job, self.cursor = job, cursor

@@ -14,7 +14,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -68,7 +68,7 @@ def cmd_bench_fit(args) -> int:
         noisy = clean + (torch.randn(b, n, generator=g) * 0.05).to(dev)
         bw = torch.full((b,), 8000.0, device=dev)
 
-        def step():
+        def step(noisy=noisy, clean=clean, bw=bw):
             opt.zero_grad(set_to_none=True)
             loss = batch_loss(net, model, noisy, clean, bw, autocast, None, args.compressed_weight,
                               sisdr_weight=args.sisdr_weight, mrstft_weight=args.mrstft_weight,

@@ -16,7 +16,7 @@ class Defaults:
     real_pairs: Path  # noisy/ and clean/ real recordings added to the dev sets (devset)
 
     @classmethod
-    def beside_checkout(cls, shared_data: Path = SHARED_DATA) -> "Defaults":
+    def beside_checkout(cls, shared_data: Path = SHARED_DATA) -> Defaults:
         dnsmos = shared_data / "dnsmos"
         return cls(dnsmos_dir=dnsmos if dnsmos.is_dir() else None,
                    real_pairs=shared_data / "dev" / "valentini_p287")

@@ -360,7 +360,7 @@ def run(a, extra: list[str]) -> int:
             summary["checkpoint_sha256"] = sha256(out / "gpustage.pt")
             summary["status"] = "ok" if rc == 0 else "partial"
             stage("done")
-        except Exception as e:  # noqa: BLE001 -- whatever it was, the summary and the log say so
+        except Exception as e:  # whatever it was, the summary and the log say so
             summary["error"] = str(e) if isinstance(e, Failure) else f"{type(e).__name__}: {e}"
             _write(log, f"FAILED at {summary['stage']}: {summary['error']}", True)
         finally:

@@ -3,7 +3,7 @@ from ..step_io import cache_specs, init_caches, write_rings
 from .net import TIMNet, count_parameters
 from .step import StreamingStep
 
-__all__ = ["TIMNet", "StreamingStep", "cache_specs", "init_caches", "write_rings", "count_parameters", "build_model"]
+__all__ = ["StreamingStep", "TIMNet", "build_model", "cache_specs", "count_parameters", "init_caches", "write_rings"]
 
 
 def build_model(config) -> TIMNet:

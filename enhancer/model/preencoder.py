@@ -8,6 +8,8 @@ same function as two centred and two causal layers (lookahead 2), but every laye
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +42,7 @@ class PreEncoder(nn.Module):
     def __init__(self, c_in: int, channels: tuple[int, ...], kernel: int, slope: float):
         super().__init__()
         dims = (c_in,) + tuple(channels)
-        self.layers = nn.ModuleList(ConvLayer(a, b, kernel, slope) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(ConvLayer(a, b, kernel, slope) for a, b in itertools.pairwise(dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -72,7 +72,7 @@ def check_error_body(text: str, where: str) -> dict:
 # ---------------------------------------------------------------------------------- uploads
 def run_upload(client: httpx.Client, case: UploadCase, stats: Stats) -> None:
     data = encode_upload(case)
-    params = {k: v for k, v in case.query.items()}
+    params = dict(case.query)
     if case.multipart:
         files = {case.field_name or "file": (case.filename, data, case.content_type or "application/octet-stream")}
         r = client.post("/v1/enhance", params=params, files=files, data=case.form)
@@ -239,7 +239,7 @@ def run_schemathesis(base: str, seconds: float | None = None, out: Path | None =
     text = r.stdout + r.stderr
     if out is not None:
         out.write_text(text)
-    tail = [ln.strip() for ln in text.splitlines() if "generated" in ln or " in " in ln and "=====" in ln]
+    tail = [ln.strip() for ln in text.splitlines() if "generated" in ln or (" in " in ln and "=====" in ln)]
     print("schemathesis:", "; ".join(tail[-2:]) or text[-500:], flush=True)
     if r.returncode:
         print(text[-6000:], flush=True)

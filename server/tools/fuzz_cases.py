@@ -74,8 +74,8 @@ class UploadCase:
         a = self.audio
         return (a is not None and not self.mutations and a.frames > 0 and a.special in ("none", "clip", "silence", "dc")
                 and a.container in LOSSLESS and a.channels <= 8 and a.rate in RATES
-                and (self.multipart and self.field_name == "file" and self.filename != "" or not self.multipart
-                     and self.content_type.lower().startswith(("audio/", "application/octet-stream")))
+                and ((self.multipart and self.field_name == "file" and self.filename != "") or (not self.multipart
+                     and self.content_type.lower().startswith(("audio/", "application/octet-stream"))))
                 and not self.query and not self.form)
 
 
@@ -98,7 +98,7 @@ def encode_audio(spec: AudioSpec) -> bytes:
 
     b = io.BytesIO()
     x = make_audio(spec)
-    if spec.subtype == "VORBIS" and spec.rate > VORBIS_MAX_RATE or spec.subtype == "OPUS" and spec.rate not in OPUS_RATES:
+    if (spec.subtype == "VORBIS" and spec.rate > VORBIS_MAX_RATE) or (spec.subtype == "OPUS" and spec.rate not in OPUS_RATES):
         spec = AudioSpec("WAV", "FLOAT", spec.rate, spec.channels, spec.frames, spec.seed, spec.special)  # libsndfile
         # would crash (Vorbis) or refuse (Opus) to write this: the fuzzer sends it as a float WAV
     if not spec.subtype.startswith(("FLOAT", "DOUBLE")):

@@ -44,7 +44,7 @@ class ServerProcess:
     def log_tail(self, n: int = 2000) -> str:
         return self.log.read_text(errors="replace")[-n:]
 
-    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
         """Poll /readyz until 200. One client for all polls: `httpx.get` builds a TLS context per call
         (tens of ms of CPU each), and polling that way every 0.2 s took a quarter of a core from the
         server while it timed its capacity (a 2-core machine then measured a third of what it holds)."""

@@ -104,7 +104,7 @@ def start_server(model: Path, streams: int, workers: int, threads: int, calibrat
 def machine_busy_seconds() -> float:
     """CPU seconds all processes of the machine have used (user + nice + system + irq), from /proc/stat."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    user, nice, system, idle, iowait, irq, softirq = (int(x) for x in fields[:7])
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
@@ -156,7 +156,6 @@ class Client:
 
     async def run(self, url: str, t0: float, seconds: float, start_delay: float) -> None:
         import websockets
-
         from websockets.exceptions import ConnectionClosed
 
         try:
@@ -301,7 +300,7 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
-def late_attribution(clients, budget_ms: float, observer: MachineStallObserver, probe: "LagProbe | None" = None) -> dict:
+def late_attribution(clients, budget_ms: float, observer: MachineStallObserver, probe: LagProbe | None = None) -> dict:
     """Late messages that arrived during or just after a stall of the whole machine (seen by an
     idle observer process); of the others, those that arrived during or just after a stall of the
     load generator itself (it shares the two cores with the server, so it reads a message late

@@ -38,7 +38,7 @@ class MachineStallObserver:
         self.proc = None
         self.events: list[tuple[float, float]] = []  # (perf_counter when due, lag s)
 
-    def start(self) -> "MachineStallObserver":
+    def start(self) -> MachineStallObserver:
         self.proc = subprocess.Popen([sys.executable, "-c", _OBSERVER, str(self.interval), str(self.record_s)],
                                      stdout=subprocess.PIPE, text=True)
         return self

@@ -58,7 +58,7 @@ class RawClient:
 
     @classmethod
     def connect(cls, host: str, port: int, path: str = "/v1/stream", headers: dict | None = None,
-                timeout: float = 10.0, rcvbuf: int | None = None) -> "RawClient":
+                timeout: float = 10.0, rcvbuf: int | None = None) -> RawClient:
         """Open a connection and complete the upgrade. `rcvbuf` shrinks the socket's receive
         buffer (a slow reader fills it sooner)."""
         if host not in ("127.0.0.1", "localhost", "::1"):
@@ -120,7 +120,7 @@ class RawClient:
                 if op == OP_CLOSE:
                     return frames, struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else 1005
                 frames.append((op, payload))
-        except (ConnectionError, EOFError, socket.timeout):
+        except (TimeoutError, ConnectionError, EOFError):
             pass
         return frames, None
 

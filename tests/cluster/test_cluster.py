@@ -65,7 +65,7 @@ class Replica:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self) -> "Replica":
+    def start(self) -> Replica:
         exe = Path(sys.executable).with_name("enhancer")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "enhancer"]
         self.starts += 1
@@ -266,7 +266,7 @@ def test_three_replicas_behind_haproxy(cluster):
         import warnings
 
         warnings.warn(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores before the test: "
-                      f"{late} late/gap notices reported, not asserted")
+                      f"{late} late/gap notices reported, not asserted", stacklevel=2)
     else:
         assert late == 0, [c.messages for c in clients if c.count(type="late")]
 
@@ -325,7 +325,7 @@ def test_three_replicas_behind_haproxy(cluster):
             await asyncio.to_thread(r.stop)  # SIGTERM: the drain, then the exit
             drains.append(round(time.time() - t, 1))
             assert r.proc.returncode == -signal.SIGTERM, r.log_tail()
-            await asyncio.to_thread(lambda: r.start().wait_ready())
+            await asyncio.to_thread(lambda r=r: r.start().wait_ready())
             await asyncio.to_thread(lb.wait_up, ["r1", "r2", "r3"])
         await asyncio.gather(*tasks)
         stop_uploads.set()

@@ -8,7 +8,16 @@ import json
 
 import pytest
 
-from tests.golden_update import GOLDEN_JSON, PROVIDERS, SAMPLE_RATE, UPDATE_COMMAND, load_pair, score, sha256, shipped_model
+from tests.golden_update import (
+    GOLDEN_JSON,
+    PROVIDERS,
+    SAMPLE_RATE,
+    UPDATE_COMMAND,
+    load_pair,
+    score,
+    sha256,
+    shipped_model,
+)
 
 
 @pytest.fixture(scope="module")

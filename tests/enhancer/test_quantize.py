@@ -13,7 +13,6 @@ from enhancer.export import export_step
 from enhancer.quantize import MIN_PARITY_SNR_DB, quantize_int8
 from enhancer.runtime import Enhancer
 from tests.conftest import speechlike
-from tests.tolerance import assert_close_to_peak
 
 
 def snr_db(ref: np.ndarray, x: np.ndarray) -> float:

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from enhancer import STFTConfig
+from enhancer import signal as ns
 from enhancer.errors import AudioError
 from enhancer.model import features as tf
-from enhancer import signal as ns
 from tests.conftest import speechlike
 from tests.tolerance import REL_PEAK, assert_close_to_peak
 

@@ -217,7 +217,7 @@ class Chromium:
     def close(self) -> None:
         try:
             self.ws.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # the browser's own process group, started above

@@ -17,9 +17,9 @@ from websockets.asyncio.client import connect as aconnect
 from websockets.sync.client import connect
 
 from server import capacity as calibration
+from server.commands import Open, Push
 from server.metrics import Metrics
 from server.settings import Settings
-from server.commands import Open, Push
 from server.streams import StreamState
 from server.worker import Worker
 from tests.conftest import speechlike
@@ -76,7 +76,7 @@ def test_stream_beyond_capacity_is_refused_with_1013_and_the_capacity(live_cap):
                 if start:
                     try:
                         c.send(json.dumps({"sample_rate": 16000}))
-                    except Exception:  # noqa: BLE001 - the refusal may already have closed the socket
+                    except Exception:  # the refusal may already have closed the socket
                         pass
                 err = json.loads(c.recv(timeout=10))
                 with pytest.raises(Exception):
@@ -112,14 +112,13 @@ def test_open_refuses_at_the_start_message_when_capacity_is_taken_meanwhile(live
     with connect(live_cap.ws_url) as a:
         a.send(json.dumps({"sample_rate": 16000}))
         assert json.loads(a.recv(timeout=10))["type"] == "ready"
-        with connect(live_cap.ws_url) as b:  # handshake accepted: one place left
-            with connect(live_cap.ws_url) as c:
-                c.send(json.dumps({"sample_rate": 16000}))
-                assert json.loads(c.recv(timeout=10))["type"] == "ready"
-                assert sched.admission.live_full
-                b.send(json.dumps({"sample_rate": 16000}))
-                err = json.loads(b.recv(timeout=10))
-                assert err["kind"] == "over_capacity" and err["capacity"] == 2, err
+        with connect(live_cap.ws_url) as b, connect(live_cap.ws_url) as c:  # b's handshake accepted: one place left
+            c.send(json.dumps({"sample_rate": 16000}))
+            assert json.loads(c.recv(timeout=10))["type"] == "ready"
+            assert sched.admission.live_full
+            b.send(json.dumps({"sample_rate": 16000}))
+            err = json.loads(b.recv(timeout=10))
+            assert err["kind"] == "over_capacity" and err["capacity"] == 2, err
     live_cap.wait_idle()
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
-import numpy as np
 import pytest
 import soundfile as sf
 from websockets.asyncio.client import connect as aconnect

@@ -22,10 +22,10 @@ from websockets.exceptions import ConnectionClosed
 
 from server.tools.rawws import OP_BINARY, OP_TEXT, RawClient
 from tests.conftest import speechlike
+from tests.tolerance import assert_close_to_peak
 
 from .conftest import TEST_LIMITS, LiveServer
 from .test_ws import from_bytes, stream_through, to_bytes
-from tests.tolerance import assert_close_to_peak
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_stalled_reader_is_bounded_and_dropped(live_fault, enhancer_rt):
     while time.time() - t0 < 30:
         try:
             c.send_binary(chunk.tobytes())
-        except (socket.timeout, OSError):
+        except (TimeoutError, OSError):
             blocked = True  # the server stopped reading: backpressure reached the client
             break
         session = session or next(iter(srv.app.state.sessions), None)
@@ -179,7 +179,7 @@ def test_faster_than_real_time_sender(live_fault, enhancer_rt):
         watcher.join()
     cap = srv.settings.max_buffered_s * sr + 8000
     assert 0 < peak["buffered"] <= cap, (peak, cap)
-    for x, (y, gaps) in zip([fast_x] + paced, results):
+    for x, (y, _gaps) in zip([fast_x] + paced, results):
         assert y.shape == x.shape
         assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], sr))
     srv.wait_idle()
@@ -381,7 +381,7 @@ def test_inference_failure_mid_batch_closes_only_the_affected_stream(live_fault,
         return await asyncio.gather(*tasks)
 
     internal0 = internal_errors(srv)
-    (ya, ta, ca), *others = asyncio.run(run())
+    (_ya, ta, ca), *others = asyncio.run(run())
     assert ca == 1011 and ta[-1]["kind"] == "internal" and ta[-1]["code"] == 1011, (ca, ta[-3:])
     assert max(failed_batches) > 1, "the injected failure never hit a batch shared with other streams"
     for x, (y, texts, code) in zip(signals[1:], others):

@@ -2,7 +2,6 @@
 regression tests for what fuzzing found."""
 from __future__ import annotations
 
-
 import httpx
 
 from server.tools.fuzz import Stats, fuzz_sessions, fuzz_uploads, run_schemathesis

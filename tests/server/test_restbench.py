@@ -30,8 +30,9 @@ def test_restbench_times_each_request_of_a_running_server(model_path, tmp_path, 
 
 
 def test_restbench_wav_is_the_repeated_audio():
-    from server.tools.restbench import wav_bytes
     import io
+
+    from server.tools.restbench import wav_bytes
 
     x = np.array([0, 1000, -1000, 32767], dtype="<i2")
     y, rate = sf.read(io.BytesIO(wav_bytes(np.resize(x, 10), 8000)), dtype="int16")

@@ -20,8 +20,8 @@ from websockets.sync.client import connect
 
 import server
 from server.auth import is_public
-from server.tools.rawws import OP_BINARY, OP_CONT, OP_TEXT, RawClient
 from server.settings import Settings
+from server.tools.rawws import OP_BINARY, OP_CONT, OP_TEXT, RawClient
 from tests.conftest import speechlike
 
 from .conftest import TEST_LIMITS, LiveServer

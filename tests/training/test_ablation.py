@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from enhancer import ModelConfig, build_model
 from enhancer.model import count_parameters
-from training.cli import main
-
 from tests.training.conftest import TINY_MODEL
+from training.cli import main
 
 
 def fake_run(root, name, examples, wall_h, valid, pesq, segment=2.0, files=10):

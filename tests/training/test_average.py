@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from enhancer import ModelConfig, build_model, load_checkpoint, save_checkpoint
+from tests.training.conftest import TINY_MODEL
 from training.average import average_checkpoints
 from training.cli import main
 from training.data.manifests import DataError
-
-from tests.training.conftest import TINY_MODEL
 
 
 def tiny_config(**over) -> ModelConfig:

@@ -12,10 +12,10 @@ from pesq import pesq
 from pystoi import stoi
 
 from tests.conftest import speechlike
+from tests.tolerance import assert_close_to_peak, assert_differs
 from training.cli import main
 from training.defaults import default_dnsmos_dir
 from training.evaluation.metrics import si_sdr
-from tests.tolerance import assert_close_to_peak, assert_differs
 
 DNSMOS_DIR = default_dnsmos_dir()
 needs_dnsmos = pytest.mark.skipif(DNSMOS_DIR is None, reason="../shared/data/dnsmos not present")
@@ -162,8 +162,8 @@ def test_eval_input_errors(tiny_onnx, tmp_path, capsys):
 
 @needs_dnsmos
 def test_dnsmos_prefers_clean_speech():
-    from training.evaluation.dnsmos import DNSMOS
     from training.data.mixing import mix
+    from training.evaluation.dnsmos import DNSMOS
 
     d = DNSMOS(DNSMOS_DIR)
     x = speechlike(int(16000 * 4.6), seed=3)  # tiled once to 9.2 s: a single 9.01 s window

@@ -133,7 +133,7 @@ def test_sigterm_writes_a_checkpoint(corpus, tiny_config, cache_dir, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not (out / "metrics.csv").exists() or len(losses(out)) < 3:
+        while (time.time() < deadline and not (out / "metrics.csv").exists()) or len(losses(out)) < 3:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)

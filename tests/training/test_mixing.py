@@ -92,7 +92,7 @@ def test_examples_are_reproducible_and_seed_dependent():
     assert not np.array_equal(a.example(0).noisy, c.example(0).noisy)
     assert not np.array_equal(a.example(0).noisy, a.example(1).noisy)
     # a batch is the examples themselves, in order, whatever the order of generation
-    noisy, clean, bw = a.batch([123, 5])
+    noisy, _clean, _bw = a.batch([123, 5])
     np.testing.assert_array_equal(noisy[1], a.example(5).noisy)
 
 

@@ -12,8 +12,15 @@ import torch
 from enhancer import ModelConfig
 from enhancer.config import STFTConfig
 from enhancer.model import features
-from training.losses.objective import (COMPRESSED_POWER, band_weight, batch_loss, loss_sums, mrstft_loss, resynthesise,
-                                si_sdr)
+from training.losses.objective import (
+    COMPRESSED_POWER,
+    band_weight,
+    batch_loss,
+    loss_sums,
+    mrstft_loss,
+    resynthesise,
+    si_sdr,
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +110,7 @@ def test_si_sdr_matches_its_definition():
 
 
 def test_resynthesis_of_unit_gains_on_clean_input_is_the_clean_waveform(batch):
-    _, clean, bw = batch
+    _, clean, _bw = batch
     cfg = STFTConfig()
     spec = features.stft(clean, cfg)
     w = band_weight(torch.tensor([8000.0, 8000.0]), ModelConfig()).expand(-1, spec.shape[1], -1)

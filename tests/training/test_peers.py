@@ -47,7 +47,7 @@ def test_missing_peer_reports_not_installed():
 def test_every_peer_answers_available_or_why_not():
     for name in PEERS:
         reason = make_peer(name, model="/nonexistent/tim.onnx").missing()
-        assert reason is None or isinstance(reason, str) and reason
+        assert reason is None or (isinstance(reason, str) and reason)
     assert "no model at" in make_peer("tim-enhancer", model="/nonexistent/tim.onnx").missing()
 
 

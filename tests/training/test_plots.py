@@ -8,9 +8,9 @@ import numpy as np
 import soundfile as sf
 
 from tests.conftest import speechlike
+from tests.tolerance import assert_close_to_peak
 from training.cli import main
 from training.evaluation.plots import enhance_with_competition
-from tests.tolerance import assert_close_to_peak
 
 
 def test_competition_scores_from_checkpoint_and_onnx_agree(tiny_model, tiny_ckpt, tiny_onnx):

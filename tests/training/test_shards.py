@@ -10,14 +10,13 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.training.test_fit import fit_args, losses
 from training.cli import main
 from training.data.audio_cache import AudioSet
 from training.data.feeder import BatchFeeder
 from training.data.manifests import DataError, Item
 from training.data.shards import load, pack
 from training.data.synthesis import MixConfig, Synthesizer
-
-from tests.training.test_fit import fit_args, losses
 
 
 def speech_set(n: int = 5, seed: int = 0) -> AudioSet:
@@ -56,7 +55,7 @@ def test_flac_round_trip_is_exact_to_16_bits_and_spreads_over_folders(tmp_path):
     assert set(got) == set(src)
     for key, s in src.items():
         g = got[key]
-        assert [it for it in g.items] == list(s.items)  # group and bandwidth travel with the clips
+        assert list(g.items) == list(s.items)  # group and bandwidth travel with the clips
         assert list(g.lengths) == list(s.lengths)
         for i in range(len(s)):
             q = np.round(np.asarray(s.clip(i)) * 32768.0) / 32768.0  # the 16-bit grid

@@ -48,7 +48,7 @@ def load_audio(path, sample_rate: int = SAMPLE_RATE, quality: str = "HQ") -> np.
         raise AudioReadError(f"file not found: {path}")
     try:
         x, sr = sf.read(str(path), dtype="float32", always_2d=True)  # (n, channels)
-    except Exception as e:  # noqa: BLE001 - libsndfile raises several types for bad files
+    except Exception as e:  # libsndfile raises several types for bad files
         raise AudioReadError(f"cannot decode ({type(e).__name__}: {e})") from None
     if x.size == 0:
         raise AudioReadError("no samples")
@@ -76,7 +76,7 @@ def _load_job(path: str):
         return load_audio(path), None
     except AudioReadError as e:
         return None, str(e)
-    except Exception as e:  # noqa: BLE001 - a worker must report, never die
+    except Exception as e:  # a worker must report, never die
         return None, f"{type(e).__name__}: {e}"
 
 
@@ -103,7 +103,7 @@ class AudioSet:
         return float(self.lengths.sum()) / SAMPLE_RATE
 
     @classmethod
-    def from_arrays(cls, items: list[Item], clips: list[np.ndarray]) -> "AudioSet":
+    def from_arrays(cls, items: list[Item], clips: list[np.ndarray]) -> AudioSet:
         """An in-memory set (tests, small folders)."""
         lengths = np.array([len(c) for c in clips], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)

@@ -55,7 +55,7 @@ class BatchFeeder:
             self.next_first = int(first)
             for _ in range(self.depth):
                 self._submit()
-        lo, parts = self.queue.popleft()
+        _lo, parts = self.queue.popleft()
         self._submit()
         got = [p.get() for p in parts]
         return tuple(np.concatenate([g[j] for g in got]) for j in range(3))

@@ -58,7 +58,7 @@ class TrainingData:
                     sets[cat, split] = cached_audio(items, f"{cat}_{split}", cache_root, jobs, log) if items else None
         return sets
 
-    def check(self) -> "TrainingData":
+    def check(self) -> TrainingData:
         for split, lists in (("train", self.train), ("valid", self.valid)):
             for cat in ("speech", "noise"):
                 if not lists.get(cat):

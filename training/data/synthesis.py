@@ -69,7 +69,7 @@ class MixConfig:
     def segment_samples(self) -> int:
         return int(round(self.segment_seconds * SAMPLE_RATE))
 
-    def validate(self) -> "MixConfig":
+    def validate(self) -> MixConfig:
         if self.segment_seconds <= 0.1:
             raise ValueError(f"segment_seconds must be > 0.1, got {self.segment_seconds}")
         for name in TUPLE_FIELDS:
@@ -92,7 +92,7 @@ class MixConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MixConfig":
+    def from_dict(cls, d: dict) -> MixConfig:
         d = dict(d)
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:

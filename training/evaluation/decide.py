@@ -113,10 +113,10 @@ def report(decision: Decision) -> str:
 
 def add_compare(sub) -> None:
     p = sub.add_parser("compare", help="the shipping rule: a candidate's eval report against the shipped model's",
-                       description="Paired per-file differences (95 %% bootstrap intervals) of PESQ-WB + DNSMOS OVRL, "
+                       description="Paired per-file differences (95 % bootstrap intervals) of PESQ-WB + DNSMOS OVRL, "
                                    "PESQ-WB, OVRL, SIG, BAK, STOI and SI-SDR between two `eval` reports on the same "
                                    "files, and whether the candidate ships: quality interval above zero, neither "
-                                   "PESQ-WB nor OVRL lower by more than %.3f." % TIE)
+                                   f"PESQ-WB nor OVRL lower by more than {TIE:.3f}.")
     p.add_argument("--reference", type=Path, required=True, help="the shipped model's `eval --out` folder")
     p.add_argument("--candidate", type=Path, required=True, help="the candidate's `eval --out` folder")
     p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (default 2000)")

@@ -26,7 +26,7 @@ class DevScore:
     dnsmos_ovrl: float  # NaN without the DNSMOS models
     files: int
 
-    def better_than(self, other: "DevScore | None") -> bool:
+    def better_than(self, other: DevScore | None) -> bool:
         """The checkpoint rule of `decide.better`; any finite score beats none."""
         if other is None:
             return math.isfinite(self.pesq_wb)
@@ -36,7 +36,7 @@ class DevScore:
         return {"pesq_wb": self.pesq_wb, "dnsmos_ovrl": self.dnsmos_ovrl, "files": self.files}
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "DevScore | None":
+    def from_dict(cls, d: dict | None) -> DevScore | None:
         return None if not d else cls(float(d["pesq_wb"]), float(d["dnsmos_ovrl"]), int(d["files"]))
 
 

@@ -149,7 +149,7 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
     rows, futures, seconds = {}, [], {}
     bar = tqdm(total=len(pairs), desc="enhance + score" if pool is None else "enhance", unit="file", disable=not progress)
     try:
-        for i, pair in enumerate(pairs):
+        for pair in pairs:
             noisy = read16k(pair.noisy)
             clean = read16k(pair.clean) if pair.clean is not None else None
             enhanced = runner(noisy)  # (n,) 16 kHz

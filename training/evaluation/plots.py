@@ -122,12 +122,12 @@ def plot_curves(metrics_path, out, smooth: int = 20) -> Path:
     plt = _pyplot()
     fig, (ax_loss, ax_lr, ax_rate) = plt.subplots(3, 1, sharex=True, figsize=(9, 7),
                                                   gridspec_kw={"height_ratios": [3, 1, 1]})
-    s, l = col("train", "loss")
+    s, loss = col("train", "loss")
     if len(s):
-        ax_loss.plot(s, l, color="C0", alpha=0.25, lw=0.8, label="train")
-        if len(l) >= smooth:
+        ax_loss.plot(s, loss, color="C0", alpha=0.25, lw=0.8, label="train")
+        if len(loss) >= smooth:
             k = np.ones(smooth) / smooth
-            ax_loss.plot(s[smooth - 1:], np.convolve(l, k, mode="valid"), color="C0", lw=1.5, label=f"train (mean of {smooth})")
+            ax_loss.plot(s[smooth - 1:], np.convolve(loss, k, mode="valid"), color="C0", lw=1.5, label=f"train (mean of {smooth})")
     vs, vl = col("valid", "loss")
     if len(vs):
         ax_loss.plot(vs, vl, "o-", color="C3", ms=3, label="validation")

@@ -113,7 +113,7 @@ def cmd_measure_delays(args) -> int:
         try:
             peer.ensure_loaded()
             found = [measure_delay(peer, *read_mono(str(f))) for f in files]
-        except Exception as e:  # noqa: BLE001 - a broken peer is reported
+        except Exception as e:  # a broken peer is reported
             print(f"{peer.name:16s} failed: {type(e).__name__}: {e}")
             continue
         measured = sorted(found)[len(found) // 2]

@@ -108,9 +108,8 @@ def markdown(summary: dict) -> str:
             p = ran[k]
             cells = [_fmt(p["by_snr"].get(str(b), {}).get(m)) for b in buckets]
             out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'][m])} |")
-    if buckets:
-        if any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
-            out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
+    if buckets and any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
+        out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
     kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
     if kinds:
         shown = ("pesq_wb", "stoi", *(t for t in DNSMOS_TABLES if t in metrics))

@@ -79,7 +79,7 @@ def describe(spec: PeerSpec) -> dict:
     """Peer metadata; `status` "ok" after a successful load, else "unavailable" or "failed"."""
     try:
         peer = make_peer(spec.name, spec.model, spec.label)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # any peer failure is reported, not raised
         return {**_blank(spec), "status": "failed", "reason": f"{type(e).__name__}: {e}"}
     info = {"name": peer.name, "package": peer.package, "version": peer.version(), "rate": peer.rate,
             "delay_samples": getattr(peer, "delay", 0), "settings": peer.settings,
@@ -89,7 +89,7 @@ def describe(spec: PeerSpec) -> dict:
         return {**info, "status": "unavailable", "reason": reason}
     try:
         info["load_seconds"] = _peer(spec)[1]
-    except Exception as e:  # noqa: BLE001 - any peer failure is reported, not raised
+    except Exception as e:
         return {**info, "status": "failed", "reason": f"load: {type(e).__name__}: {e}"}
     return info
 
@@ -102,7 +102,7 @@ def read_mono(path: str) -> tuple[np.ndarray, int]:
 def run_file(spec: PeerSpec, pair: Pair, save_dir: str | None = None) -> dict:
     """One row: the pair's metrics for this peer, timing, or the error."""
     row = {"peer": "", "file": pair.id, "snr": pair.snr, "seconds": math.nan, "enhance_seconds": math.nan,
-           **{m: math.nan for m in ALL_METRICS}, "error": ""}
+           **dict.fromkeys(ALL_METRICS, math.nan), "error": ""}
     try:
         peer, _ = _peer(spec)
         row["peer"] = peer.name
@@ -125,7 +125,7 @@ def run_file(spec: PeerSpec, pair: Pair, save_dir: str | None = None) -> dict:
             dest = Path(save_dir) / peer.name / pair.id
             dest.parent.mkdir(parents=True, exist_ok=True)
             sf.write(dest.with_suffix(".wav"), out, sr, subtype="FLOAT")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}".strip()
         row["traceback"] = traceback.format_exc(limit=4)
     return row
