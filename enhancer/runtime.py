@@ -29,8 +29,23 @@ from .errors import CheckpointError
 from .fullband import BANDS, DEFAULT_BAND
 from .signal import check_audio, check_rate
 
-__all__ = ["Enhancer", "StreamingEnhancer", "StreamCursor", "Engine", "LanePool", "StepResult", "min_gain_for",
-           "default_model_path", "OFFLINE_FRAMES", "BANDS", "DEFAULT_BAND", "DEFAULT_MODEL", "MODELS_DIR", "PACKAGE_MODELS_DIR", "MODEL_ENV"]
+__all__ = [
+    "BANDS",
+    "DEFAULT_BAND",
+    "DEFAULT_MODEL",
+    "MODELS_DIR",
+    "MODEL_ENV",
+    "OFFLINE_FRAMES",
+    "PACKAGE_MODELS_DIR",
+    "Engine",
+    "Enhancer",
+    "LanePool",
+    "StepResult",
+    "StreamCursor",
+    "StreamingEnhancer",
+    "default_model_path",
+    "min_gain_for",
+]
 
 PACKAGE_MODELS_DIR = Path(__file__).resolve().parent / "models"  # an installed wheel: enhancer/models/
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # a source checkout: models/ beside enhancer/
@@ -162,7 +177,7 @@ class Enhancer:
         self.config = engine.config
 
     @classmethod
-    def from_pretrained(cls, path=None, providers=None, threads: int = 1) -> "Enhancer":
+    def from_pretrained(cls, path=None, providers=None, threads: int = 1) -> Enhancer:
         """Load an exported model (default: the shipped one). `providers`: onnxruntime providers
         in order of preference (default: CUDA when available, then CPU); `.provider` tells which
         one is really used."""

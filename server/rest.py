@@ -17,9 +17,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from .aio import timeout as _timeout
 from .audio_io import FORMATS, AudioReader, AudioWriter, output_format
 from .auth import require_api_key
-from .aio import timeout as _timeout
 from .errors import ErrorKind, ServiceError
 from .messages import Source
 

@@ -41,7 +41,7 @@ def load_pair() -> tuple[np.ndarray, np.ndarray]:
 
 
 def score(clean: np.ndarray, x: np.ndarray) -> dict[str, float]:
-    from training import metrics
+    from training.evaluation import metrics
 
     return {"pesq_wb": metrics.pesq_wb(clean, x, SAMPLE_RATE), "si_sdr": metrics.si_sdr(clean, x)}
 

@@ -27,8 +27,8 @@ def chromium_path() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def browser_available():
+def require_browser() -> None:
+    """Skip the test without Chromium (fail on CI, where `make test` installs it)."""
     if chromium_path() is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed (make test installs Debian's chromium when run as root)")

@@ -85,3 +85,11 @@ def live_auth(model_path):
 def http(live):
     with httpx.Client(base_url=live.base, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def browser_available():
+    """Chromium for the demo page's tests (tests/server/browser.py), or a skip."""
+    from .browser import require_browser
+
+    require_browser()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import soundfile as sf
 
-from .browser import ARTIFACTS, Chromium, browser_available  # noqa: F401 - a fixture
+from .browser import ARTIFACTS, Chromium
 
 NOISY = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "noisy.flac"
 STREAMING = ("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > {n} "

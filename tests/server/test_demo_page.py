@@ -13,10 +13,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 import soundfile as sf
 
-from .browser import ARTIFACTS, Chromium, browser_available  # noqa: F401 - a fixture
+from .browser import ARTIFACTS, Chromium
 
 NOISY = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "noisy.flac"  # real noisy speech, 4 s
 READY = "window.fileState.status === 'ready' || window.fileState.status === 'error'"
@@ -302,8 +301,10 @@ def test_with_an_api_key_typed_in_or_in_the_address(live_auth, browser_available
     page uses the key for the upload (header) and for the microphone stream (query)."""
     key = live_auth.settings.api_key
     wav = noisy_wav(tmp_path)
-    choose = lambda page: page.choose_files(  # noqa: E731
-        lambda: page.evaluate("document.getElementById('drop').click()", user_gesture=True), [wav])
+    def choose(page):
+        return page.choose_files(
+            lambda: page.evaluate("document.getElementById('drop').click()", user_gesture=True), [wav])
+
     page = Chromium(live_auth.base + "/")
     try:
         assert page.wait_for("document.readyState === 'complete' && !document.getElementById('key-label').hidden", 20)

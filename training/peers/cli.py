@@ -134,7 +134,10 @@ def cmd_bench_peers(args) -> int:
     pairs = find_pairs(args.noisy, args.clean, args.snr_regex, args.manifest)
     dnsmos = dnsmos_for(args)
     specs = specs_for(args, dnsmos)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     log(f"bench-peers: {len(pairs)} pair(s), peers: {', '.join(s.name for s in specs)}"
         + ("" if dnsmos else " (no DNSMOS: intrusive metrics only)"))
     t0, load0 = time.perf_counter(), os.getloadavg()[0]

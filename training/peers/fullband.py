@@ -1,7 +1,7 @@
 """Full-band evaluation: the upper band (8-20 kHz) kept above 16 kHz, against DeepFilterNet3.
 
-    python -m training.evaluation.fullband --out runs/fullband          # builds the set, scores
-    .venv-peers/bin/python -m training.evaluation.fullband ...           # with DeepFilterNet3 too
+    python -m training.peers.fullband --out runs/fullband          # builds the set, scores
+    .venv-peers/bin/python -m training.peers.fullband ...           # with DeepFilterNet3 too
 
 The set: full-band speech of voices the model never trained on (the corpus's *valid* speech rows
 at 44.1 kHz whose bandwidth is above 16 kHz: KLettres, KTuberling, Tux Paint el/da), clips of one
@@ -278,7 +278,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.evaluation.fullband", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.peers.fullband", description=__doc__.split("\n")[0])
     p.add_argument("--files", type=int, default=40, help="mixtures (default 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", type=int, choices=(0, 1), default=0,
