@@ -202,7 +202,7 @@ def version_text() -> str:
         from .runtime import Engine, default_model_path
 
         engine = Engine(default_model_path(), ["CPUExecutionProvider"])
-    except Exception:
+    except Exception:  # no model (or no onnxruntime) here: the package version alone
         return text
     exported = engine.metadata.get("version")
     return (f"{text}\nmodel {engine.path.name}: {engine.config.name}, {engine.weights} weights"
