@@ -10,7 +10,7 @@ const SPECTROGRAM_S = 5; // seconds visible in the live spectrograms
 
 // Everything the page knows, readable by tests and shown under "Details".
 const state = (window.demoState = {
-  status: "idle", error: null, sampleRate: 0, latencyMs: null, chunksSent: 0,
+  status: "idle", error: null, sampleRate: 0, latencyMs: null, atten: null, band: null, chunksSent: 0,
   enhancedMessages: 0, enhancedSamples: 0, metadataFrames: 0, plottedFrames: 0, mode: "enhanced",
   roundTripMs: null, playbackBufferMs: null, deviceLatencyMs: null, endToEndMs: null,
   inputLevelDb: null, outputLevelDb: null, spectrogramColumns: { input: 0, output: 0 },
@@ -103,7 +103,10 @@ function openSocket() {
       const msg = JSON.parse(e.data);
       if (msg.type === "ready") {
         state.latencyMs = msg.latency_ms;
-        $("info").textContent = `${msg.sample_rate} Hz · algorithmic latency ${msg.latency_ms} ms`;
+        state.atten = msg.atten_lim_db;
+        state.band = msg.band; // as the server took it: "full" keeps the band above 8 kHz (input above 16 kHz)
+        $("info").textContent = `${msg.sample_rate} Hz · algorithmic latency ${msg.latency_ms} ms` +
+          (msg.band === "speech" ? " · speech band (nothing above 8 kHz)" : "");
         setStatus("streaming");
         resolve();
       } else if (msg.type === "metadata") {

@@ -179,7 +179,7 @@ async function received(xhr, mine) {
   if (downloadUrl) URL.revokeObjectURL(downloadUrl);
   downloadUrl = URL.createObjectURL(new Blob([body], { type }));
   const stem = file.name.replace(/\.[^.]*$/, "") || "recording";
-  const name = `${stem}-enhanced${state.atten !== null ? `-${state.atten}dB` : ""}.${ext}`;
+  const name = `${stem}-enhanced${state.atten !== null ? `-${state.atten}dB` : ""}${state.band === "speech" ? "-speech" : ""}.${ext}`;
   const link = $("download");
   link.href = downloadUrl;
   link.download = name;
@@ -223,6 +223,7 @@ async function received(xhr, mine) {
   $("file-info").textContent = `${file.name} · ${rate} Hz · ${channels === 1 ? "mono" : channels === 2 ? "stereo" : `${channels} channels`}` +
     ` · ${clock(frames / rate, 0.1)} · ${ext.toUpperCase()} · enhanced in ${(state.enhanceMs / 1000).toFixed(1)} s` +
     (state.atten !== null ? ` with an attenuation limit of ${state.atten} dB` : "") +
+    (state.band === "speech" && rate > 16000 ? ", speech band only (nothing above 8 kHz)" : "") +
     (channels > 1 ? " (spectrograms of the channels' mix)" : "");
   $("file-result").hidden = false;
   $("file-progress-box").hidden = true;

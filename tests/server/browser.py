@@ -227,3 +227,66 @@ class Chromium:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         shutil.rmtree(self.profile, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Full-band audio and the upper band of the page's spectrograms (the Band switch's tests)
+
+GOLDEN_NOISY = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "noisy.flac"  # p287, 16 kHz, 4 s
+
+
+def fullband_wav(path: Path, rate: int = 48000, upper: tuple[float, float] = (9000.0, 15000.0),
+                 upper_to_low: float = 0.5, seed: int = 0) -> Path:
+    """The golden noisy speech (nothing above 8 kHz) at `rate`, plus band-limited noise in `upper`
+    (Hz) that follows the speech's envelope (the "air" of fricatives rides on the speech), its RMS
+    `upper_to_low` times the low band's; a 16-bit mono WAV at `path`."""
+    import numpy as np
+    import soundfile as sf
+    from scipy.signal import butter, resample_poly, sosfiltfilt
+
+    x, sr = sf.read(GOLDEN_NOISY, dtype="float64")
+    low = resample_poly(x, rate, sr)
+    env = sosfiltfilt(butter(2, 30.0, fs=rate, output="sos"), np.abs(low))  # ~30 ms envelope
+    env = np.maximum(env, 0.0) / max(env.max(), 1e-12)
+    noise = np.random.default_rng(seed).standard_normal(len(low))
+    high = sosfiltfilt(butter(8, upper, btype="bandpass", fs=rate, output="sos"), noise) * env
+    high *= upper_to_low * np.sqrt(np.mean(low**2) / np.mean(high**2))
+    y = low + high
+    y *= 0.5 / np.abs(y).max()
+    sf.write(path, y.astype(np.float32), rate, subtype="PCM_16")
+    return path
+
+
+def band_energy(x, rate: int, lo: float, hi: float | None = None) -> float:
+    """Energy of the mono mix of `x` between `lo` and `hi` Hz (Nyquist when None)."""
+    import numpy as np
+
+    x = np.asarray(x, np.float64)
+    if x.ndim > 1:
+        x = x.mean(axis=1)
+    spectrum = np.abs(np.fft.rfft(x)) ** 2
+    f = np.fft.rfftfreq(len(x), 1.0 / rate)
+    return float(spectrum[(f >= lo) & (f <= (hi if hi is not None else rate / 2))].sum())
+
+
+def lit_above(page: Chromium, canvas_id: str, hz: float, nyquist: float, right: float = 1.0) -> dict:
+    """How much of a spectrogram canvas' plot area is painted (brighter than near-black: more than
+    about 65 dB below the top of its colour scale) above `hz` and below it, as shares of the pixels:
+    {"above": ..., "below": ...}. The frequency axis runs from 0 at the bottom of the plot area to
+    `nyquist` (half the audio's sample rate) at the top; a few rows at `hz` are left out. `right`:
+    the share of the plot's width looked at, from its right edge (a live spectrogram's newest)."""
+    return page.evaluate(f"""(() => {{
+        const c = document.getElementById({canvas_id!r}), dpr = c.width / c.clientWidth, g = c.getContext('2d');
+        // the plot area of spectrogram.js (AXIS_W = 40, AXIS_H = 18 CSS px), less a pixel at each edge
+        const x00 = Math.ceil(40 * dpr) + 1, y0 = Math.ceil(2 * dpr) + 1;
+        const full = Math.floor((c.clientWidth - 44) * dpr) - 2, h = Math.floor((c.clientHeight - 20) * dpr) - 2;
+        const w = Math.max(1, Math.floor(full * {right})), x0 = x00 + full - w;
+        const split = Math.round(h * (1 - {hz / nyquist}));
+        const share = (y, rows) => {{
+            const d = g.getImageData(x0, y0 + y, w, rows).data;
+            let n = 0;
+            for (let i = 0; i < d.length; i += 4) if (d[i] + d[i + 1] + d[i + 2] > 90) n++;
+            return n / (d.length / 4);
+        }};
+        return {{above: share(0, split - 2), below: share(split + 2, h - split - 2)}};
+    }})()""")

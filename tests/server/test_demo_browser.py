@@ -6,7 +6,7 @@ from pathlib import Path
 
 import soundfile as sf
 
-from .browser import ARTIFACTS, Chromium
+from .browser import ARTIFACTS, Chromium, fullband_wav, lit_above
 
 NOISY = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "noisy.flac"
 STREAMING = ("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > {n} "
@@ -103,4 +103,67 @@ def test_live_view_by_keyboard_stream_spectrograms_meters_latency_stop_start_aga
     finally:
         page.close()
     assert live.metrics.frames.labels(source="stream")._value.get() - frames_before > 120
+    live.wait_idle()
+
+
+NEWEST = 0.2  # the share of a live spectrogram looked at: its last second of 5, streamed in each run
+
+
+def stream_until(page: Chromium, columns: int, timeout: float = 40) -> dict:
+    """Start the microphone, wait until the output spectrogram has `columns` columns, stop."""
+    page.evaluate("document.getElementById('start').click()", user_gesture=True)
+    state = page.wait_for(f"window.demoState.status === 'streaming' && window.demoState.spectrogramColumns.output > {columns} "
+                          "&& window.demoState", timeout) or page.evaluate("window.demoState")
+    assert state["status"] == "streaming" and state["error"] is None, state
+    return state
+
+
+def test_live_view_band_switch_full_band_from_a_48_khz_microphone(live, browser_available, tmp_path, capsys):
+    """The fake microphone plays a 48 kHz recording with energy above 8 kHz (the golden noisy speech
+    plus band-limited noise at 9-15 kHz following its envelope); the page's AudioContext runs at
+    its own rate (44.1 or 48 kHz), above 16 kHz either way. Band "full" (the default): the server
+    confirms it and the output spectrogram's rows above 9 kHz are painted like the input's; Stop,
+    band "speech", Start: the output has nothing above 9 kHz while the input still has. An
+    attenuation limit of 6 dB floors the upper band's gain at 0.5: the test server's random-weight
+    model closes it whenever it likes."""
+    wav = fullband_wav(tmp_path / "fullband.wav")
+    page = Chromium(live.base + "/#live", wav)
+    try:
+        assert page.wait_for("document.readyState === 'complete' && !!window.demoState", 20)
+        assert page.evaluate("document.getElementById('band').value") == "full"
+        page.evaluate("document.getElementById('atten').value = '6'")
+        state = stream_until(page, 150)
+        rate = state["sampleRate"]
+        assert rate > 32000 and (state["band"], state["atten"]) == ("full", 6), state
+        full_in = lit_above(page, "live-in", 9000, rate / 2, NEWEST)
+        full_out = lit_above(page, "live-out", 9000, rate / 2, NEWEST)
+        assert full_in["above"] > 0.3, full_in  # the microphone's upper band reaches the page
+        assert full_out["above"] > 0.5 * full_in["above"], (full_out, full_in)
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(ARTIFACTS / "demo" / "live-view-full-band.png", full_page=True)
+        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'stopped'", 10)
+        page.pump(1.5)
+        live.wait_idle()
+
+        page.evaluate("document.getElementById('band').value = 'speech'")
+        state = stream_until(page, 150)
+        assert (state["band"], state["atten"]) == ("speech", 6), state
+        assert "speech band" in page.evaluate("document.getElementById('info').textContent")
+        speech_in = lit_above(page, "live-in", 9000, rate / 2, NEWEST)
+        speech_out = lit_above(page, "live-out", 9000, rate / 2, NEWEST)
+        assert speech_in["above"] > 0.3, speech_in
+        assert speech_out["above"] < 0.05 * speech_in["above"], (speech_out, speech_in)
+        assert speech_out["below"] > 0.5 * full_out["below"], (speech_out, full_out)  # the speech band stays
+        path = ARTIFACTS / "demo" / "live-view-speech-band.png"
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path, full_page=True)
+        with capsys.disabled():
+            print(f"\n  screenshots: {path.parent}/live-view-{{full,speech}}-band.png")
+        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'stopped'", 10)
+        page.pump(1.5)
+        assert page.errors() == []
+    finally:
+        page.close()
     live.wait_idle()
