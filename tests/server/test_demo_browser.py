@@ -2,11 +2,18 @@
 noisy recording (tests/fixtures/golden/noisy.flac, p287, 16 kHz)."""
 from __future__ import annotations
 
+import io
+import math
+import os
 from pathlib import Path
 
+import pytest
 import soundfile as sf
 
+from enhancer.runtime import default_model_path
+
 from .browser import ARTIFACTS, Chromium, fullband_wav, lit_above
+from .conftest import TEST_LIMITS, LiveServer
 
 NOISY = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "noisy.flac"
 STREAMING = ("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > {n} "
@@ -167,3 +174,84 @@ def test_live_view_band_switch_full_band_from_a_48_khz_microphone(live, browser_
     finally:
         page.close()
     live.wait_idle()
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's screenshot
+
+README_SHOT = Path(__file__).resolve().parents[2] / "docs" / "demo.png"
+
+
+@pytest.fixture(scope="module")
+def live_shipped():
+    """A real server on the shipped model (models/tim.onnx, trained weights), for this module."""
+    path = default_model_path()
+    if not path.is_file():
+        pytest.skip(f"no shipped model at {path}")
+    srv = LiveServer(model=path, **TEST_LIMITS)
+    yield srv
+    srv.stop()
+
+
+def small_png(png: bytes, max_width: int = 1100) -> bytes:
+    """The screenshot at most `max_width` px wide, as an optimised (lossless) PNG."""
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(png)).convert("RGB")
+    if im.width > max_width:
+        im = im.resize((max_width, round(im.height * max_width / im.width)), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    im.save(out, "PNG", optimize=True)
+    return out.getvalue()
+
+
+def live_window_columns(rate: int, seconds: float = 5.0) -> int:
+    """Columns of a live spectrogram's window at `rate` (spectrogram.js: an FFT of about 30 ms, a
+    hop of half of it)."""
+    n = 2 ** max(7, min(13, round(math.log2(rate * 0.03))))
+    return math.ceil(seconds * rate / (n // 2))
+
+
+def test_readme_screenshot_of_the_live_view_with_the_shipped_model(live_shipped, browser_available, tmp_path, capsys):
+    """The screenshot in the README: the live view streaming the golden noisy recording through the
+    shipped model for a whole spectrogram window (5 s), both spectrograms (noisy input, enhanced
+    output), meters, measured latency and the competition plot visible.
+
+    It is written to artifacts/demo/readme.png on every run; to docs/demo.png (committed, shown by
+    README.md) only with TIM_UPDATE_SCREENSHOT=1, so that running the tests leaves the checkout
+    clean:  TIM_UPDATE_SCREENSHOT=1 pytest tests/server/test_demo_browser.py -k readme"""
+    x, sr = sf.read(NOISY, dtype="int16")
+    wav = tmp_path / "noisy.wav"
+    sf.write(wav, x, sr, subtype="PCM_16")
+    page = Chromium(live_shipped.base + "/#live", wav, width=1100, height=820)
+    try:
+        assert page.wait_for("document.readyState === 'complete' && !!window.demoState", 20)
+        page.evaluate("document.getElementById('start').click()", user_gesture=True)
+        rate = page.wait_for("window.demoState.sampleRate", 20)
+        # a whole window of enhanced audio: the output spectrogram has scrolled all the way across
+        full = ("(s => s.status === 'streaming' && s.roundTripMs !== null && s.plottedFrames >= 240 "
+                f"&& s.spectrogramColumns.output > {live_window_columns(rate) + 10} && s)(window.demoState)")
+        state = page.wait_for(full, 40) or page.evaluate("window.demoState")
+        assert state["status"] == "streaming" and state["error"] is None, state
+        # the shipped model removes noise: the output is quieter than the noisy input, and not silent
+        assert state["outputLevelDb"] < state["inputLevelDb"] and state["outputLevelDb"] > -60, state
+        page.evaluate("document.activeElement.blur(); window.scrollTo(0, 0)")
+        raw = tmp_path / "raw.png"
+        page.screenshot(raw, full_page=True)
+        png = small_png(raw.read_bytes())
+        out = ARTIFACTS / "demo" / "readme.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(png)
+        targets = [out]
+        if os.environ.get("TIM_UPDATE_SCREENSHOT") == "1":
+            README_SHOT.write_bytes(png)
+            targets.append(README_SHOT)
+        with capsys.disabled():
+            print(f"\n  screenshot ({len(png) // 1024} KB): {', '.join(map(str, targets))}")
+        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert page.wait_for("window.demoState.status === 'stopped'", 10)
+        page.pump(1.5)
+        assert page.errors() == []
+    finally:
+        page.close()
+    live_shipped.wait_idle()
