@@ -6,8 +6,10 @@ back to back and paced at one step per hop as live streams arrive (the weights a
 come from colder caches, so a paced step costs more);
 the real-time factor of offline `enhance` (T = `OFFLINE_FRAMES` hops per call) and of offline runs
 at several T, with the best T (by CPU time: on a shared machine it is the steadier clock; with one
-thread it is the compute time); how many streams one core holds in real time (the largest measured
-batch whose p99 step time fits in one hop); and the peak resident memory.
+thread it is the compute time); how many streams one core holds in real time (the largest batch
+whose p99 step time fits in one hop, found by search: doubling from the grid, then bisection); what a
+live stream costs per 16 ms of audio at that batch beside what the same audio costs offline; and
+the peak resident memory.
 """
 from __future__ import annotations
 
@@ -56,6 +58,34 @@ def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: in
     return np.array(times[warmup:]) * 1000.0
 
 
+def largest_realtime_batch(p99_ms, budget_ms: float, start: int = 1, limit: int = 1024) -> tuple[int, dict[int, float]]:
+    """The largest batch b <= `limit` with `p99_ms(b) <= budget_ms` (0 if none), by doubling from
+    `start` until a batch is over the budget, then bisecting between the last batch within it and
+    the first over it (between 0 and `start` when `start` itself is over). The step time grows with
+    the batch, so the first crossing is the answer. Returns (batch, {batch: p99 ms of every batch timed})."""
+    seen: dict[int, float] = {}
+
+    def fits(b: int) -> bool:
+        if b not in seen:
+            seen[b] = float(p99_ms(b))
+        return seen[b] <= budget_ms
+
+    good, bad = (start, None) if fits(start) else (0, start)
+    while bad is None and good < limit:
+        b = min(2 * good, limit)
+        if fits(b):
+            good = b
+        else:
+            bad = b
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, seen
+
+
 def time_offline(enh: Enhancer, x: np.ndarray, frames: int) -> tuple[float, float]:
     """Real-time factor of one 16 kHz mono signal run through a stream in calls of `frames` hops:
     (wall clock, CPU time of this process)."""
@@ -98,7 +128,15 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0,
         bar.update()
         res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))})
     ok = [s["batch"] for s in res["step"] if s["realtime"]]
-    res["streams_per_core"] = max(ok) if ok else 0
+    bar.set_postfix_str("searching the largest real-time batch")
+    search_steps = max(60, steps // 4)
+    best_b, timed = largest_realtime_batch(
+        lambda b: np.percentile(time_steps(enh, b, search_steps), 99), hop_ms, start=max(ok) if ok else 1)
+    res["streams_per_core"] = best_b
+    res["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
+    if best_b:
+        ms = time_steps(enh, best_b, search_steps)
+        res["live_cost_ms_per_hop"] = float(np.percentile(ms, 50) / best_b)  # one stream's share of a step
     best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
     res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
     cores = usable_cores()
@@ -118,6 +156,9 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0,
         wall, cpu = time_offline(enh, x[: int(min(seconds, 4.0 if t == 1 else seconds) * SAMPLE_RATE)], t)
         res["offline"].append({"frames": t, "rtf": wall, "rtf_cpu": cpu})
     res["offline_best_frames"] = min(res["offline"], key=lambda r: r["rtf_cpu"])["frames"]
+    res["offline_cost_ms_per_hop"] = res["offline_rtf_cpu"] * hop_ms  # the same 16 ms of audio, run offline
+    if "live_cost_ms_per_hop" in res:
+        res["live_over_offline"] = res["live_cost_ms_per_hop"] / res["offline_cost_ms_per_hop"]
     bar.update()
     bar.close()
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -140,8 +181,12 @@ def format_table(res: dict) -> str:
                                           for s in res["paced"]) + " (one step per hop, as live streams)")
     lines += [
         "",
-        f"streams per core {res['streams_per_core']} (largest measured batch in real time); "
+        f"streams per core {res['streams_per_core']} (the largest batch whose p99 fits the 16 ms hop, by search: "
+        + ", ".join(f"{s['batch']}: {s['p99_ms']:.1f}" for s in res["search"]) + " ms p99); "
         f"{res['streams_per_core_throughput']:.1f} by best per-stream throughput",
+        f"cost per stream  {res.get('live_cost_ms_per_hop', float('nan')):.3f} ms live (at that batch) vs "
+        f"{res['offline_cost_ms_per_hop']:.3f} ms offline per 16 ms of audio "
+        f"({res.get('live_over_offline', float('nan')):.1f}x)",
         f"capacity         {res['cores']} core(s) here: try `enhancer serve --workers {res['suggested_workers']} "
         f"--max-streams {res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']} x {res['cores']}), "
         "then confirm with a soak (server/README.md)",

@@ -112,10 +112,29 @@ def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
     assert all(r["rtf"] > 0 and r["rtf_cpu"] > 0 for r in res["offline"])
     assert res["offline_best_frames"] in [r["frames"] for r in res["offline"]]
     # the capacity advice follows the measurement on this machine
-    real = [s["batch"] for s in res["step"] if s["realtime"]]
-    assert res["streams_per_core"] == (max(real) if real else 0)
+    searched = {s["batch"]: s["p99_ms"] for s in res["search"]}
+    n = res["streams_per_core"]
+    assert n == 0 or searched[n] <= 16.0  # found by search: within the hop ...
+    assert n == 1024 or searched[n + 1] > 16.0  # ... and the next batch is not (or the search's limit)
     assert res["suggested_workers"] == res["cores"] >= 1
     assert res["suggested_max_streams"] == int(2 / 3 * res["streams_per_core"] * res["cores"])
+
+
+def test_the_search_finds_the_largest_real_time_batch_exactly():
+    from enhancer.bench import largest_realtime_batch
+
+    calls = []
+
+    def p99(b):  # 2 ms of overhead + 0.3 ms per stream: 46 streams fit in 16 ms, 47 do not
+        calls.append(b)
+        return 2.0 + 0.3 * b
+
+    n, seen = largest_realtime_batch(p99, 16.0, start=16)
+    assert n == 46 and seen[46] <= 16.0 < seen[47]
+    assert len(calls) == len(set(calls)) <= 10  # each batch timed once, a handful of probes
+    assert largest_realtime_batch(p99, 16.0, start=64)[0] == 46  # a start over the budget bisects down
+    assert largest_realtime_batch(p99, 1.0)[0] == 0
+    assert largest_realtime_batch(lambda b: 1.0, 16.0, limit=100)[0] == 100
 
 
 def test_export_check_runs_lanes_at_different_positions_and_sees_a_mismatch(torch_model, model_path):
