@@ -10,25 +10,16 @@ from dataclasses import dataclass
 import numpy as np
 import soundfile as sf
 
-from enhancer.errors import AudioError
+from enhancer import audio_io as core
+from enhancer.audio_io import MP3_SLACK, OUTPUT_FORMATS
+from enhancer.errors import AudioError, OutputFormatError
 from enhancer.signal import MAX_ABS_SAMPLE, check_rate, nonfinite_and_peak
 
 from .errors import ErrorKind, ServiceError
 
-# output container names of the `format` parameter -> libsndfile major format
-FORMATS = {"wav": "WAV", "flac": "FLAC", "ogg": "OGG", "mp3": "MP3"}
-MEDIA_TYPES = {"WAV": "audio/wav", "WAVEX": "audio/wav", "RF64": "audio/wav", "W64": "audio/x-w64",
-               "FLAC": "audio/flac", "OGG": "audio/ogg", "MP3": "audio/mpeg", "AIFF": "audio/aiff",
-               "AU": "audio/basic", "CAF": "audio/x-caf"}
-EXTENSIONS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "W64": "w64", "FLAC": "flac", "OGG": "ogg",
-              "MP3": "mp3", "AIFF": "aiff", "AU": "au", "CAF": "caf"}
-MP3_SLACK = 2 * 1152  # MP3 frame counts from headers may be estimates: tolerate two MPEG frames
-
+# output containers, media types and encoder limits: the core's (the command line writes the same files)
+FORMATS = OUTPUT_FORMATS
 ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
-# Encoder limits libsndfile does not check itself: above 200 kHz its Vorbis encoder crashes the
-# process when the file is closed.
-VORBIS_MAX_RATE = 200_000
-OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
 
 def check_samples(x: np.ndarray, what: str = "the audio") -> None:
@@ -155,69 +146,28 @@ def _libsndfile_reason(e: Exception) -> str:
 # ---------------------------------------------------------------------------------- files out
 def output_format(requested: str | None, info: AudioInfo) -> tuple[str, str]:
     """(major format, subtype) for the response: `requested` (wav, flac, ogg, mp3) or the input's."""
-    if requested is None or requested == "":
-        fmt = info.format
-    else:
-        key = requested.lower().lstrip(".")
-        if key not in FORMATS:
-            raise ServiceError(ErrorKind.INVALID_PARAMETER, f"format must be one of {', '.join(FORMATS)}, got {requested!r}")
-        fmt = FORMATS[key]
-    subtype = info.subtype if fmt == info.format else sf.default_subtype(fmt)
-    if not sf.check_format(fmt, subtype):
-        subtype = sf.default_subtype(fmt)
-    if fmt not in MEDIA_TYPES or not subtype or not sf.check_format(fmt, subtype):
-        raise ServiceError(ErrorKind.INVALID_PARAMETER, f"cannot write {fmt} files; ask for format=wav, flac, ogg or mp3")
-    return fmt, subtype
+    try:
+        return core.output_format(requested, info)
+    except OutputFormatError as e:
+        raise ServiceError(ErrorKind.INVALID_PARAMETER, str(e)) from None
 
 
 def check_encodable(fmt: str, subtype: str, sample_rate: int) -> None:
     """ServiceError unless libsndfile can safely write `subtype` at `sample_rate`."""
-    if subtype == "VORBIS" and sample_rate > VORBIS_MAX_RATE:
-        raise ServiceError(ErrorKind.INVALID_PARAMETER, f"OGG/Vorbis cannot encode {sample_rate} Hz (at most "
-                           f"{VORBIS_MAX_RATE} Hz); ask for format=wav or format=flac")
-    if subtype == "OPUS" and sample_rate not in OPUS_RATES:
-        raise ServiceError(ErrorKind.INVALID_PARAMETER, f"OGG/Opus cannot encode {sample_rate} Hz (only "
-                           f"{', '.join(map(str, OPUS_RATES))}); ask for format=wav or format=flac")
+    try:
+        core.check_encodable(fmt, subtype, sample_rate)
+    except OutputFormatError as e:
+        raise ServiceError(ErrorKind.INVALID_PARAMETER, str(e)) from None
 
 
-class AudioWriter:
-    """Encodes the enhanced blocks into a file object."""
+class AudioWriter(core.AudioWriter):
+    """The core's encoder into a file object; its format errors are the service's invalid_parameter."""
 
     def __init__(self, fileobj, fmt: str, subtype: str, sample_rate: int, channels: int):
-        check_encodable(fmt, subtype, sample_rate)
         try:
-            self.sf = sf.SoundFile(fileobj, "w", samplerate=sample_rate, channels=channels, format=fmt, subtype=subtype)
-        except (sf.LibsndfileError, RuntimeError, ValueError) as e:
-            raise ServiceError(ErrorKind.INVALID_PARAMETER, f"cannot write {fmt}/{subtype} at {sample_rate} Hz with "
-                               f"{channels} channel(s) ({_libsndfile_reason(e)}); choose another format") from None
-        self.clip = not subtype.startswith(("FLOAT", "DOUBLE"))
-        self.format, self.subtype = fmt, subtype
-
-    def write(self, block: np.ndarray) -> None:
-        if not block.shape[0]:
-            return
-        if self.subtype == "PCM_16":  # round to nearest, as the websocket's pcm_s16le does
-            self.sf.write(np.clip(np.round(block * 32768.0), -32768, 32767).astype(np.int16))
-        else:
-            self.sf.write(np.clip(block, -1.0, 1.0) if self.clip else block)
-
-    def close(self) -> None:
-        self.sf.close()
-
-    def abort(self) -> None:
-        """Close after a failure (the output is thrown away)."""
-        try:
-            self.sf.close()
-        except Exception:  # the real error is already on its way to the client
-            pass
-
-    @property
-    def media_type(self) -> str:
-        return MEDIA_TYPES.get(self.format, "application/octet-stream")
-
-    @property
-    def extension(self) -> str:
-        return EXTENSIONS.get(self.format, "bin")
+            super().__init__(fileobj, fmt, subtype, sample_rate, channels)
+        except OutputFormatError as e:
+            raise ServiceError(ErrorKind.INVALID_PARAMETER, str(e)) from None
 
 
 # ---------------------------------------------------------------------------------- raw PCM

@@ -94,7 +94,7 @@ def make_audio(spec: AudioSpec) -> np.ndarray:
 
 
 def encode_audio(spec: AudioSpec) -> bytes:
-    from ..audio_io import OPUS_RATES, VORBIS_MAX_RATE
+    from enhancer.audio_io import OPUS_RATES, VORBIS_MAX_RATE
 
     b = io.BytesIO()
     x = make_audio(spec)
