@@ -13,7 +13,7 @@ import soundfile as sf
 from enhancer import audio_io as core
 from enhancer.audio_io import MP3_SLACK, OUTPUT_FORMATS
 from enhancer.errors import AudioError, OutputFormatError
-from enhancer.signal import MAX_ABS_SAMPLE, check_rate, nonfinite_and_peak
+from enhancer.signal import check_rate
 
 from .errors import ErrorKind, ServiceError
 
@@ -23,15 +23,11 @@ ENCODINGS = {"pcm_s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 
 
 def check_samples(x: np.ndarray, what: str = "the audio") -> None:
-    """ServiceError (invalid_audio) for NaN/Inf samples or values beyond +-MAX_ABS_SAMPLE."""
-    if not x.size:
-        return
-    bad, peak = nonfinite_and_peak(x)
-    if bad:
-        raise ServiceError(ErrorKind.INVALID_AUDIO, f"{what} contains NaN or Inf samples")
-    if peak > MAX_ABS_SAMPLE:
-        raise ServiceError(ErrorKind.INVALID_AUDIO, f"{what} has sample values up to {peak:.3g}; float samples must lie "
-                           f"within +-{MAX_ABS_SAMPLE:g} (full scale is +-1)")
+    """The core's sample check (NaN/Inf, values beyond +-MAX_ABS_SAMPLE) as ServiceError (invalid_audio)."""
+    try:
+        core.check_samples(x, what)
+    except AudioError as e:
+        raise ServiceError(ErrorKind.INVALID_AUDIO, str(e)) from None
 
 
 # ---------------------------------------------------------------------------------- files in

@@ -63,6 +63,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from .data.corpus_sources import sha256_of as sha256  # standard library only: runs before the wheels are in
+
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT = "tim-enhancer-gpustage/1"
 CALL_MIB, MARGIN_MIB = 64.0, 4.0
@@ -83,14 +85,6 @@ PREFLIGHT = ("import json, torch, soundfile, soxr, training.cli\nfrom enhancer i
 
 class Failure(Exception):
     pass
-
-
-def sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tree_mib(root: Path = ROOT) -> float:

@@ -14,7 +14,6 @@ for the clean speech (read speech distributed as compressed audio). `--codec fla
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import numpy as np
 from enhancer.config import SAMPLE_RATE
 
 from .audio_cache import AudioSet
+from .corpus_sources import sha256_of as sha256
 from .manifests import DataError, Item
 
 FORMAT = "tim-enhancer-shards/1"
@@ -136,14 +136,6 @@ def pack(sets: dict[tuple[str, str], AudioSet], out, codec: str = "opus", qualit
     with open(out / "index.json", "w", encoding="utf-8") as f:
         json.dump(index, f)
     return index
-
-
-def sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def find_index(folders: list[Path]) -> Path:
