@@ -39,10 +39,10 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     casts them back to float32 once when it loads the graph, so the speed is unchanged. The weights
     must already be float16 values (`round_to_fp16(model)`), so that the file is exact."""
     import onnx
-    import torch
 
+    from .graph_switch import join_live_branch
     from .model import StreamingStep, count_parameters
-    from .step_io import STEP_FORMAT, init_caches, input_names, output_names
+    from .step_io import STEP_FORMAT, input_names, output_names
     from .version import __version__
 
     def _say(msg: str) -> None:
@@ -52,25 +52,17 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     cfg: ModelConfig = model.config
     step = StreamingStep(model).eval()
     names_in, names_out = input_names(cfg), output_names(cfg)
-    hop = cfg.stft.hop
-    caches = [torch.from_numpy(c) for c in init_caches(cfg, batch)]
-    frames = 3  # traced with T = 3 (no axis of size 1 that tracing could take for a constant); T is dynamic
-    args = (torch.zeros(batch, frames, hop), torch.zeros(batch), torch.zeros(batch, dtype=torch.long), *caches)
-    axes = {n: {0: "batch"} for n in names_in + names_out}
-    for n in ("hops", "out", "competition", "activity"):
-        axes[n] = {0: "batch", 1: "frames"}
-    axes["kv_rows"] = {0: "batch", 3: "frames"}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _say(f"tracing the step graph of preset {cfg.name} ({count_parameters(model):,} parameters) to {path}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            step, args, str(path), dynamo=False, opset_version=OPSET, input_names=names_in,
-            output_names=names_out, dynamic_axes={n: a for n, a in axes.items() if n in names_in + names_out},
-            do_constant_folding=True,
-        )
-    proto = onnx.load(str(path))
+    _say(f"tracing the step graph of preset {cfg.name} ({count_parameters(model):,} parameters) to {path}, "
+         "live (T = 1) and any T")
+    general, live = _trace(step, batch, frames=None), _trace(step, batch, frames=1)
+    if int8_weights:
+        from .quantize import quantize_int8
+
+        _say("quantizing the dense weights to 8-bit blocks")
+        general, live = quantize_int8(general), quantize_int8(live)
+    proto = join_live_branch(general, live)
     weights = "int8" if int8_weights else "fp16" if fp16_weights else "fp32"
     meta = {
         "config": json.dumps(cfg.to_dict()),
@@ -87,11 +79,6 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     for k, v in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_PREFIX + k, v
-    if int8_weights:
-        from .quantize import quantize_int8
-
-        _say("quantizing the dense weights to 8-bit blocks")
-        proto = quantize_int8(proto)
     if fp16_weights:
         _say("storing the weights as float16")
         _store_fp16(proto)
@@ -111,6 +98,36 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
              f"({report['max_rel_diff']:.3g} of the output's peak), output / difference {report['parity_snr_db']:.1f} dB")
     report["weights"] = weights
     return report
+
+
+def _trace(step, batch: int, frames: int | None):
+    """The ONNX proto of torch step `step` traced with `batch` lanes: T = `frames` fixed, or (None)
+    a dynamic T (traced with T = 3, so that no axis of size 1 is taken for a constant)."""
+    import io
+
+    import onnx
+    import torch
+
+    from .step_io import init_caches, input_names, output_names
+
+    cfg = step.config
+    names_in, names_out = input_names(cfg), output_names(cfg)
+    caches = [torch.from_numpy(c) for c in init_caches(cfg, batch)]
+    t = frames or 3
+    args = (torch.zeros(batch, t, cfg.stft.hop), torch.zeros(batch), torch.zeros(batch, dtype=torch.long), *caches)
+    axes = {n: {0: "batch"} for n in names_in + names_out}
+    if frames is None:
+        for n in ("hops", "out", "competition", "activity"):
+            axes[n] = {0: "batch", 1: "frames"}
+        axes["kv_rows"] = {0: "batch", 2: "rows"}
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            step, args, buf, dynamo=False, opset_version=OPSET, input_names=names_in, output_names=names_out,
+            dynamic_axes={n: a for n, a in axes.items() if n in names_in + names_out}, do_constant_folding=True,
+        )
+    return onnx.load_from_string(buf.getvalue())
 
 
 CHECK_CHUNKS = (1, 3, 1, 64, 2, 1, 31, 1)  # frames per call of the parity check, cycled, then one of W + 5

@@ -155,9 +155,12 @@ class EncoderBlock(nn.Module):
         if self.step_scale != 1.0:
             q = q * self.step_scale
         s_ring = q @ k_cache.transpose(-1, -2) + bias  # (B, H, T, W)
-        s_chunk = q @ k.transpose(-1, -2) + causal  # (B, H, T, T)
+        if t == 1:  # the live step: the frame's own key and value are one row each, no matmul
+            s_chunk = (q * k).sum(dim=-1, keepdim=True)  # (B, H, 1, 1)
+        else:
+            s_chunk = q @ k.transpose(-1, -2) + causal  # (B, H, T, T)
         p = torch.softmax(torch.cat([s_ring, s_chunk], dim=-1), dim=-1)  # (B, H, T, W+T)
-        m = p[..., :w] @ v_cache + p[..., w:] @ v  # (B, H, T, dh)
+        m = p[..., :w] @ v_cache + (p[..., w:] * v if t == 1 else p[..., w:] @ v)  # (B, H, T, dh)
         m = m.transpose(1, 2).reshape((-1, self.dm) if g == 1 else (-1, g, self.dm))  # (B*T, [G,] dm)
         h = self._after_attention(h, m, c)  # like h
         return h.reshape(-1, g * self.dm) if g > 1 else h, k, v, (None if c is None else c.reshape(-1, g))

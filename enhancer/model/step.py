@@ -4,7 +4,9 @@
 
 T (frames per call) is a dynamic axis of the one graph: T = 1 is the live step (one hop per stream
 per call, streams batched), T > 1 runs a backlog or a file in chunks (every weight read once per
-chunk, every matmul with B * T rows). Any chunking of a stream gives the same output.
+chunk, every matmul with B * T rows). Any chunking of a stream gives the same output. The exported
+graph holds two traces of this module under one `If` on T (`enhancer.graph_switch`): the live step
+traced at T = 1 (constant shapes, the frame's self-attention elementwise) and the step at any T.
 
 Inputs (B = streams sharing the call, T = frames per call; both dynamic):
     hops       (B, T, 256) float32   the next T hops of 16 kHz audio of each stream
