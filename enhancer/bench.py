@@ -99,70 +99,97 @@ def time_offline(enh: Enhancer, x: np.ndarray, frames: int) -> tuple[float, floa
 
 
 def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0, progress: bool = False) -> dict:
-    """The measurements (see the module docstring). `progress`: a bar on stderr, one tick per stage."""
+    """The measurements of one model (see the module docstring). `progress`: a bar on stderr."""
+    return run_many([enh], steps=steps, batches=batches, seconds=seconds, progress=progress)[0]
+
+
+def run_many(enhs: list[Enhancer], steps: int = 300, batches=BATCHES, seconds: float = 20.0,
+             progress: bool = False) -> list[dict]:
+    """The measurements of several models on this machine, interleaved: every stage (a batch size,
+    the paced steps, each offline size) times each model in turn before the next stage, so that a
+    change in the machine's load between stages weighs on all of them alike. The searches of the
+    largest real-time batch run one model after the other. `progress`: a bar on stderr, one tick per
+    stage."""
     from tqdm import tqdm
 
-    cfg = enh.config
-    bar = tqdm(total=len(batches) + len(PACED_BATCHES) + 1, desc="bench", unit="stage", disable=not progress,
+    cfg = enhs[0].config
+    n = len(enhs)
+    bar = tqdm(total=n * (len(batches) + len(PACED_BATCHES) + 2), desc="bench", unit="stage", disable=not progress,
                file=sys.stderr)
     hop_ms = 1000.0 * cfg.stft.hop / cfg.stft.sample_rate
-    res = {
+    results = [_header(enh) for enh in enhs]
+    for b in batches:
+        for enh, res in zip(enhs, results):
+            bar.set_postfix_str(f"{b} stream(s) back to back")
+            ms = time_steps(enh, b, steps if b <= 16 else max(60, steps // 4))
+            bar.update()
+            res["step"].append({
+                "batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                "per_stream_p50_ms": float(np.percentile(ms, 50) / b),
+                "realtime": bool(np.percentile(ms, 99) <= hop_ms),
+            })
+    for b in PACED_BATCHES:
+        for enh, res in zip(enhs, results):
+            bar.set_postfix_str(f"{b} stream(s) paced")
+            ms = time_steps(enh, b, max(60, steps // 2), pace_s=hop_ms / 1000.0)
+            bar.update()
+            res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)),
+                                 "p99_ms": float(np.percentile(ms, 99))})
+    search_steps = max(60, steps // 4)
+    for enh, res in zip(enhs, results):
+        bar.set_postfix_str("searching the largest real-time batch")
+        ok = [s["batch"] for s in res["step"] if s["realtime"]]
+        best_b, timed = largest_realtime_batch(
+            lambda b, e=enh: np.percentile(time_steps(e, b, search_steps), 99), hop_ms, start=max(ok) if ok else 1)
+        res["streams_per_core"] = best_b
+        res["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
+        bar.update()
+    for enh, res in zip(enhs, results):
+        if res["streams_per_core"]:
+            ms = time_steps(enh, res["streams_per_core"], search_steps)
+            res["live_cost_ms_per_hop"] = float(np.percentile(ms, 50) / res["streams_per_core"])  # one stream's share
+        best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
+        res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
+        cores = usable_cores()
+        res["cores"] = cores
+        res["suggested_workers"] = cores
+        res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * cores)
+    x = (np.random.default_rng(1).standard_normal(int(seconds * SAMPLE_RATE)) * 0.05).astype(np.float32)
+    bar.set_postfix_str(f"offline enhance of {seconds:g} s, then T = {', '.join(map(str, OFFLINE_SWEEP))}")
+    for enh in enhs:
+        enh.enhance(x[:SAMPLE_RATE], SAMPLE_RATE)  # warm up the multi-frame shapes
+    for enh, res in zip(enhs, results):
+        t0, c0 = time.perf_counter(), time.process_time()
+        enh.enhance(x, SAMPLE_RATE)
+        res["offline_rtf"] = (time.perf_counter() - t0) / seconds
+        res["offline_rtf_cpu"] = (time.process_time() - c0) / seconds
+        res["offline_frames"] = OFFLINE_FRAMES
+        res["offline"] = []
+    for t in OFFLINE_SWEEP:
+        for enh, res in zip(enhs, results):
+            wall, cpu = time_offline(enh, x[: int(min(seconds, 4.0 if t == 1 else seconds) * SAMPLE_RATE)], t)
+            res["offline"].append({"frames": t, "rtf": wall, "rtf_cpu": cpu})
+    for res in results:
+        res["offline_best_frames"] = min(res["offline"], key=lambda r: r["rtf_cpu"])["frames"]
+        res["offline_cost_ms_per_hop"] = res["offline_rtf_cpu"] * hop_ms  # the same 16 ms of audio, run offline
+        if "live_cost_ms_per_hop" in res:
+            res["live_over_offline"] = res["live_cost_ms_per_hop"] / res["offline_cost_ms_per_hop"]
+        bar.update()
+    bar.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    for res in results:
+        res["peak_rss_mb"] = peak  # of the whole run (every model loaded)
+    return results
+
+
+def _header(enh: Enhancer) -> dict:
+    cfg = enh.config
+    return {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
         "provider": enh.provider, "weights": enh.engine.weights, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
         "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.attention_window,
-        "step": [],
+        "step": [], "paced": [],
     }
-    for b in batches:
-        bar.set_postfix_str(f"{b} stream(s) back to back")
-        ms = time_steps(enh, b, steps if b <= 16 else max(60, steps // 4))
-        bar.update()
-        res["step"].append({
-            "batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "per_stream_p50_ms": float(np.percentile(ms, 50) / b),
-            "realtime": bool(np.percentile(ms, 99) <= hop_ms),
-        })
-    res["paced"] = []
-    for b in PACED_BATCHES:
-        bar.set_postfix_str(f"{b} stream(s) paced")
-        ms = time_steps(enh, b, max(60, steps // 2), pace_s=hop_ms / 1000.0)
-        bar.update()
-        res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))})
-    ok = [s["batch"] for s in res["step"] if s["realtime"]]
-    bar.set_postfix_str("searching the largest real-time batch")
-    search_steps = max(60, steps // 4)
-    best_b, timed = largest_realtime_batch(
-        lambda b: np.percentile(time_steps(enh, b, search_steps), 99), hop_ms, start=max(ok) if ok else 1)
-    res["streams_per_core"] = best_b
-    res["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
-    if best_b:
-        ms = time_steps(enh, best_b, search_steps)
-        res["live_cost_ms_per_hop"] = float(np.percentile(ms, 50) / best_b)  # one stream's share of a step
-    best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
-    res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
-    cores = usable_cores()
-    res["cores"] = cores
-    res["suggested_workers"] = cores
-    res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * cores)
-    x = (np.random.default_rng(1).standard_normal(int(seconds * SAMPLE_RATE)) * 0.05).astype(np.float32)
-    bar.set_postfix_str(f"offline enhance of {seconds:g} s, then T = {', '.join(map(str, OFFLINE_SWEEP))}")
-    enh.enhance(x[:SAMPLE_RATE], SAMPLE_RATE)  # warm up the multi-frame shapes
-    t0, c0 = time.perf_counter(), time.process_time()
-    enh.enhance(x, SAMPLE_RATE)
-    res["offline_rtf"] = (time.perf_counter() - t0) / seconds
-    res["offline_rtf_cpu"] = (time.process_time() - c0) / seconds
-    res["offline_frames"] = OFFLINE_FRAMES
-    res["offline"] = []
-    for t in OFFLINE_SWEEP:
-        wall, cpu = time_offline(enh, x[: int(min(seconds, 4.0 if t == 1 else seconds) * SAMPLE_RATE)], t)
-        res["offline"].append({"frames": t, "rtf": wall, "rtf_cpu": cpu})
-    res["offline_best_frames"] = min(res["offline"], key=lambda r: r["rtf_cpu"])["frames"]
-    res["offline_cost_ms_per_hop"] = res["offline_rtf_cpu"] * hop_ms  # the same 16 ms of audio, run offline
-    if "live_cost_ms_per_hop" in res:
-        res["live_over_offline"] = res["live_cost_ms_per_hop"] / res["offline_cost_ms_per_hop"]
-    bar.update()
-    bar.close()
-    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    return res
 
 
 def format_table(res: dict) -> str:
@@ -199,10 +226,33 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(enh: Enhancer, as_json: bool = False, steps: int = 300, progress: bool = True) -> int:
+def format_comparison(results: list[dict]) -> str:
+    """One row per model: streams per core, step p50 / p99 per batch size, live and offline cost."""
+    batches = [s["batch"] for s in results[0]["step"]]
+    lines = ["model   streams/core   " + "   ".join(f"batch {b:>3} p50/p99 ms" for b in batches)
+             + "   live / offline ms per stream-hop   offline RTF (CPU)"]
+    for i, res in enumerate(results, 1):
+        steps = "   ".join(f"{s['p50_ms']:>9.2f} / {s['p99_ms']:<6.2f}" for s in res["step"])
+        lines.append(f"{i:>5}   {res['streams_per_core']:>12}   {steps}   "
+                     f"{res.get('live_cost_ms_per_hop', float('nan')):>15.3f} / {res['offline_cost_ms_per_hop']:<15.3f}"
+                     f"   {res['offline_rtf_cpu']:.4f}")
+    lines += [f"{i:>5}   {res['model']}" for i, res in enumerate(results, 1)]
+    return "\n".join(lines)
+
+
+def main(enhs: Enhancer | list[Enhancer], as_json: bool = False, steps: int = 300, progress: bool = True) -> int:
+    """`enhancer bench`: one model, or several measured in the same run, interleaved (`run_many`)."""
+    enhs = enhs if isinstance(enhs, list) else [enhs]
     if progress:
-        print(f"timing the step graph of {enh.engine.path} on this machine ({enh.provider}, one thread)",
+        names = ", ".join(str(e.engine.path) for e in enhs)
+        print(f"timing the step graph of {names} on this machine ({enhs[0].provider}, one thread)",
               file=sys.stderr, flush=True)
-    res = run(enh, steps=steps, progress=progress)
-    sys.stdout.write(json.dumps(res, indent=2) + "\n" if as_json else format_table(res) + "\n")
+    results = run_many(enhs, steps=steps, progress=progress)
+    if as_json:
+        sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
+    else:
+        tables = [format_table(r) for r in results]
+        if len(results) > 1:
+            tables.append("measured in the same run, interleaved:\n" + format_comparison(results))
+        sys.stdout.write("\n\n".join(tables) + "\n")
     return 0

@@ -191,8 +191,12 @@ def cmd_bench(a) -> int:
         print("error: --int8 applies to --preset (a model file is benchmarked as it is; export one with "
               "`enhancer export CKPT -o MODEL.onnx --int8`)", file=sys.stderr)
         return 2
-    return bench_main(_enhancer(a.model, "cpu" if a.device == "auto" else a.device, a.preset, a.int8), as_json=a.json,
-                      steps=a.steps)
+    device = "cpu" if a.device == "auto" else a.device
+    if a.preset and a.model:
+        print("error: --preset and --model name different models: bench one or the other", file=sys.stderr)
+        return 2
+    enhs = [_enhancer(m, device, a.preset, a.int8) for m in (a.model or [None])]
+    return bench_main(enhs, as_json=a.json, steps=a.steps)
 
 
 def version_text() -> str:
@@ -266,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_info)
 
     b = sub.add_parser("bench", help="step latency, throughput, real-time factor, memory")
-    b.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
+    b.add_argument("--model", action="append", default=None,
+                   help="exported .onnx model (default: the shipped one); given more than once, the models are "
+                        "measured in the same run, interleaved, and compared")
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
     b.add_argument("--device", choices=DEVICES, default="auto", help="where to run the model (auto: the CPU here)")
     b.add_argument("--steps", type=int, default=300, help="timed steps per batch size")

@@ -120,6 +120,20 @@ def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
     assert res["suggested_max_streams"] == int(2 / 3 * res["streams_per_core"] * res["cores"])
 
 
+
+def test_bench_two_models_in_one_run_interleaved(model_path, capsys):
+    """`--model A --model B`: both measured in the same run (JSON: one result per model, in order)
+    and, as text, a comparison row per model."""
+    assert main(["bench", "--model", str(model_path), "--model", str(model_path), "--steps", "4", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert isinstance(res, list) and [r["model"] for r in res] == [str(model_path)] * 2
+    for r in res:
+        assert [s["batch"] for s in r["step"]] == [1, 4, 16, 32, 64] and r["offline_rtf_cpu"] > 0
+    from enhancer.bench import format_comparison
+
+    text = format_comparison(res)
+    assert text.count(str(model_path)) == 2 and "streams/core" in text
+
 def test_the_search_finds_the_largest_real_time_batch_exactly():
     from enhancer.bench import largest_realtime_batch
 
