@@ -23,6 +23,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .layers import GroupedLinear, GroupLayerNorm, attend, window_mask
+from .live import live_step
 
 
 def ring_bias(pos: torch.Tensor, window: int, t: int = 1) -> torch.Tensor:
@@ -143,24 +144,24 @@ class EncoderBlock(nn.Module):
         Returns y (B*T, d_model), k_rows, v_rows, competition (B*T, G) or None.
         `bias` (B, 1, T, W): `ring_bias`; `causal` (T, T): `chunk_bias`; layers of one call share
         them. Written with few operators: at T = 1 and batch 1 the time is mostly per-operator overhead.
+        T = 1 runs `enhancer.model.live.live_step` (the same function, laid out for one frame).
         """
         g, w = self.g, self.window
         if bias is None or causal is None:
             t = x.shape[0] // pos.shape[0]
             bias, causal = ring_bias(pos, w, t), chunk_bias(t, w, x.device)
         t = causal.shape[0]
+        if t == 1:  # the live step
+            return live_step(self, x, k_cache, v_cache, bias)
         h = x.reshape(-1, g, self.dm) if g > 1 else x  # (B*T, G, dm), or (B*T, d_model) for an ordinary block
         c = None if self.competition is None else torch.softmax(self.competition(h), dim=1)  # (B*T, G, 1)
         q, k, v = self._step_qkv(h, t)  # (B, H, T, dh)
         if self.step_scale != 1.0:
             q = q * self.step_scale
         s_ring = q @ k_cache.transpose(-1, -2) + bias  # (B, H, T, W)
-        if t == 1:  # the live step: the frame's own key and value are one row each, no matmul
-            s_chunk = (q * k).sum(dim=-1, keepdim=True)  # (B, H, 1, 1)
-        else:
-            s_chunk = q @ k.transpose(-1, -2) + causal  # (B, H, T, T)
+        s_chunk = q @ k.transpose(-1, -2) + causal  # (B, H, T, T)
         p = torch.softmax(torch.cat([s_ring, s_chunk], dim=-1), dim=-1)  # (B, H, T, W+T)
-        m = p[..., :w] @ v_cache + (p[..., w:] * v if t == 1 else p[..., w:] @ v)  # (B, H, T, dh)
+        m = p[..., :w] @ v_cache + p[..., w:] @ v  # (B, H, T, dh)
         m = m.transpose(1, 2).reshape((-1, self.dm) if g == 1 else (-1, g, self.dm))  # (B*T, [G,] dm)
         h = self._after_attention(h, m, c)  # like h
         return h.reshape(-1, g * self.dm) if g > 1 else h, k, v, (None if c is None else c.reshape(-1, g))
