@@ -79,6 +79,9 @@ class FitOptions:
         "weight of the magnitude terms' errors in bins where the estimate exceeds the clean magnitude (noise "
         "left in) relative to bins where it falls short (speech removed); default 1: symmetric; e.g. 2 to "
         "suppress more, as PESQ penalises added energy more", type=float))
+    residual_weight: float = field(default=0.0, metadata=flag(
+        "add this weight times the MSE of |magnitude|^0.3 over the noise left in noise-dominated bins (|noise| > "
+        "|speech| and the estimate above the clean magnitude), per bin compared (default 0: off)", type=float))
     schedule: str = field(default="plateau", metadata=flag(
         "plateau: halve the lr after --patience validations without improvement; cosine: linear warm-up "
         "over --warmup-steps, then cosine decay to --final-lr at --total-steps", choices=("plateau", "cosine")))

@@ -227,9 +227,10 @@ def test_loss_floor_is_recorded_and_changes_the_objective(corpus, tiny_config, c
 
 
 def test_waveform_terms_reach_the_trainer_and_change_the_loss(corpus, tiny_config, cache_dir, tmp_path):
-    """`--sisdr-weight` and `--mrstft-weight` are recorded in train.json and change the training loss
-    from the first step (same data, same initial weights: only the objective differs)."""
-    runs = {"plain": (), "sisdr": ("--sisdr-weight", "0.01"), "mrstft": ("--mrstft-weight", "0.2")}
+    """`--sisdr-weight`, `--mrstft-weight` and `--residual-weight` are recorded in train.json and change
+    the training loss from the first step (same data, same initial weights: only the objective differs)."""
+    runs = {"plain": (), "sisdr": ("--sisdr-weight", "0.01"), "mrstft": ("--mrstft-weight", "0.2"),
+            "residual": ("--residual-weight", "50")}
     first = {}
     for name, extra in runs.items():
         out = tmp_path / name
@@ -237,9 +238,11 @@ def test_waveform_terms_reach_the_trainer_and_change_the_loss(corpus, tiny_confi
         opts = json.loads((out / "train.json").read_text())["options"]
         assert opts["sisdr_weight"] == (0.01 if name == "sisdr" else 0.0)
         assert opts["mrstft_weight"] == (0.2 if name == "mrstft" else 0.0)
+        assert opts["residual_weight"] == (50.0 if name == "residual" else 0.0)
         first[name] = float(losses(out)[1])
     assert abs(first["sisdr"] - first["plain"]) > 1e-3 * abs(first["plain"])  # 0.01 x the mean -SI-SDR (dB)
     assert first["mrstft"] > first["plain"] * (1 + 1e-3)  # a positive term added
+    assert first["residual"] > first["plain"] * (1 + 1e-3)
 
 
 def test_context_note_flags_segments_where_under_a_third_of_the_frames_see_the_whole_window():

@@ -81,6 +81,41 @@ def test_overestimate_weight_scales_the_errors_of_noise_left_in(tiny_model, batc
             batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, overestimate_weight=bad)
 
 
+def residual_reference(model, noisy, clean, bandwidth):
+    """The residual term in float64 numpy: the compressed squared error over bins where the noise
+    (noisy - clean, complex) is louder than the speech and the estimate exceeds the clean magnitude."""
+    cfg = model.config
+    xs, ys = features.stft(noisy, cfg.stft), features.stft(clean, cfg.stft)
+    with torch.no_grad():
+        gains, _ = model(torch.log(xs.abs() + cfg.log_eps), pad_end=False)
+    t = gains.shape[1]
+    g = gains.double().numpy()
+    x, y = xs[:, :t].numpy().astype(np.complex128), ys[:, :t].numpy().astype(np.complex128)
+    freqs = np.arange(cfg.n_freqs) * cfg.stft.sample_rate / cfg.stft.n_fft
+    w = np.broadcast_to((freqs[None, :] <= bandwidth.numpy()[:, None] + 1e-3)[:, None, :], g.shape).astype(float)
+    est, ref = g * np.abs(x), np.abs(y)
+    err = (np.maximum(est, 1e-6) ** COMPRESSED_POWER - np.maximum(ref, 1e-6) ** COMPRESSED_POWER) ** 2
+    mask = (np.abs(x - y) > ref) & (est > ref)
+    return (err * w * mask).sum() / w.sum(), mask.mean()
+
+
+def test_residual_weight_adds_the_noise_left_in_noise_dominated_bins(tiny_model, batch):
+    noisy, clean, bw = batch
+    ref, share = residual_reference(tiny_model, noisy, clean, bw)
+    assert 0.05 < share < 0.99 and ref > 0  # the input has such bins, and others (the tone's)
+    with torch.no_grad():
+        plain = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, compressed_weight=5.0))
+        got = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, compressed_weight=5.0,
+                               residual_weight=7.0))
+        alone = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, residual_weight=7.0))
+        log_only = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2))
+    assert got - plain == pytest.approx(7.0 * ref, rel=1e-3)
+    assert alone - log_only == pytest.approx(7.0 * ref, rel=1e-3)  # without the compressed term too
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="residual_weight"):
+            batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, residual_weight=bad)
+
+
 def test_compressed_term_has_finite_gradients_at_silent_bins(tiny_model, batch):
     noisy, _, bw = batch
     clean = torch.zeros_like(noisy)  # |S| = 0 everywhere: the floor keeps d|x|^0.3 finite

@@ -39,14 +39,18 @@ class LossSums:
     neg_sisdr: torch.Tensor | None = None  # sum over examples of -SI-SDR (dB) of the resynthesised waveform
     mrstft: torch.Tensor | None = None  # sum over examples of the multi-resolution STFT loss
     pesq: torch.Tensor | None = None  # sum over examples of the P.862 disturbance (training.losses.perceptual)
+    residual_err: torch.Tensor | None = None  # sum of w * (|estimate|^p - |clean|^p)^2 over noise left in
+    # noise-dominated bins (`loss_sums`)
     examples: int = 0
 
     def loss(self, compressed_weight: float = 0.0, sisdr_weight: float = 0.0, mrstft_weight: float = 0.0,
-             pesq_weight: float = 0.0) -> torch.Tensor:
+             pesq_weight: float = 0.0, residual_weight: float = 0.0) -> torch.Tensor:
         """The weighted MSE of the log-magnitude, plus `compressed_weight` times that of the
         compressed magnitudes, `sisdr_weight` times the mean -SI-SDR (dB) and `mrstft_weight` times
         the mean multi-resolution STFT loss of the resynthesised waveform, and `pesq_weight` times the
-        mean P.862 disturbance of the estimated magnitudes (4.5 minus PESQ's raw score)."""
+        mean P.862 disturbance of the estimated magnitudes (4.5 minus PESQ's raw score), and
+        `residual_weight` times the compressed magnitudes' squared error of the noise left in
+        noise-dominated bins, per bin compared."""
         w = self.weight.clamp_min(1.0)
         loss = self.log_err / w
         if compressed_weight > 0.0:
@@ -57,13 +61,15 @@ class LossSums:
             loss = loss + mrstft_weight * (self.mrstft / max(self.examples, 1))
         if pesq_weight > 0.0:
             loss = loss + pesq_weight * (self.pesq / max(self.examples, 1))
+        if residual_weight > 0.0:
+            loss = loss + residual_weight * (self.residual_err / w)
         return loss
 
 
 def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
               loss_floor: float | None = None, compressed_power: float | None = None,
               waveform: tuple[bool, bool] = (False, False), overestimate_weight: float = 1.0,
-              pesq: bool = False, pesq_compensate: bool = False) -> LossSums:
+              pesq: bool = False, pesq_compensate: bool = False, residual: bool = False) -> LossSums:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
     compressed term only with a `compressed_power`, the waveform terms (SI-SDR, multi-resolution
     STFT) only where `waveform` asks for them, the P.862 disturbance only with `pesq`. `net` may be a
@@ -71,7 +77,12 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
 
     `overestimate_weight` multiplies the magnitude terms' squared errors in the bins where the estimate
     exceeds the clean magnitude (noise left in), relative to those where it falls short (speech
-    removed); 1 = symmetric. The weight `LossSums.weight` stays the count of bins compared."""
+    removed); 1 = symmetric. The weight `LossSums.weight` stays the count of bins compared.
+
+    With `residual` (and a `compressed_power`), `residual_err` sums the compressed magnitudes' squared
+    error over the bins where the noise is louder than the speech (|X - S| > |S|) and the estimate
+    exceeds the clean magnitude: the noise left under and between the words, which the log-magnitude
+    term weighs no more than a bin of speech removed."""
     cfg = core.config
     noisy_spec, clean_spec = features.stft(noisy, cfg.stft), features.stft(clean, cfg.stft)  # (B, T, F)
     noisy_mag, clean_mag = noisy_spec.abs(), clean_spec.abs()
@@ -85,8 +96,12 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w_err), w.sum(),
                     examples=est_mag.shape[0])
     if compressed_power is not None:
-        sums.compressed_err = weighted_sq_err(compressed(est_mag, compressed_power),
-                                              compressed(clean_mag, compressed_power), w_err)
+        est_c, clean_c = compressed(est_mag, compressed_power), compressed(clean_mag, compressed_power)
+        sums.compressed_err = weighted_sq_err(est_c, clean_c, w_err)
+        if residual:
+            noise_mag = (noisy_spec[:, :t] - clean_spec[:, :t]).abs()
+            w_res = w * ((noise_mag > clean_mag) & (est_mag > clean_mag))
+            sums.residual_err = weighted_sq_err(est_c, clean_c, w_res)
     if pesq:
         sums.pesq = pesq_model(cfg.stft, est_mag.device, pesq_compensate).loss(est_mag * w, clean_mag * w).sum()
     if any(waveform):
@@ -141,7 +156,9 @@ class LossConfig:
     above those of speech removed (`loss_sums`): PESQ's disturbance model penalises added energy
     more than missing energy. `pesq_weight` adds that times the mean of a differentiable model of
     wideband PESQ's disturbance (`training.losses.perceptual`), on the estimated magnitudes; with
-    `pesq_compensate` P.862's own level, frequency-response and gain compensations (ablation only)."""
+    `pesq_compensate` P.862's own level, frequency-response and gain compensations (ablation only).
+    `residual_weight` adds that times the compressed magnitudes' squared error of the noise left in
+    the noise-dominated bins (`loss_sums`), on top of the terms above."""
 
     loss_floor: float | None = None
     compressed_weight: float = 0.0
@@ -151,32 +168,37 @@ class LossConfig:
     overestimate_weight: float = 1.0
     pesq_weight: float = 0.0
     pesq_compensate: bool = False
+    residual_weight: float = 0.0
 
     def __post_init__(self):
         if not self.overestimate_weight > 0.0:
             raise ValueError(f"overestimate_weight (--overestimate-weight) must be > 0, got {self.overestimate_weight!r}")
         if not self.pesq_weight >= 0.0:
             raise ValueError(f"pesq_weight (--pesq-weight) must be >= 0, got {self.pesq_weight!r}")
+        if not self.residual_weight >= 0.0:
+            raise ValueError(f"residual_weight (--residual-weight) must be >= 0, got {self.residual_weight!r}")
 
     def __call__(self, net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor,
                  autocast) -> torch.Tensor:
         """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
+        residual = self.residual_weight > 0.0
         sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, self.loss_floor,
-                         self.compressed_power if self.compressed_weight > 0.0 else None,
+                         self.compressed_power if self.compressed_weight > 0.0 or residual else None,
                          (self.sisdr_weight > 0.0, self.mrstft_weight > 0.0), self.overestimate_weight,
-                         self.pesq_weight > 0.0, self.pesq_compensate)
-        return sums.loss(self.compressed_weight, self.sisdr_weight, self.mrstft_weight, self.pesq_weight)
+                         self.pesq_weight > 0.0, self.pesq_compensate, residual)
+        return sums.loss(self.compressed_weight, self.sisdr_weight, self.mrstft_weight, self.pesq_weight,
+                         self.residual_weight)
 
 
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
                loss_floor: float | None = None, compressed_weight: float = 0.0,
                compressed_power: float = COMPRESSED_POWER, sisdr_weight: float = 0.0,
                mrstft_weight: float = 0.0, overestimate_weight: float = 1.0, pesq_weight: float = 0.0,
-               pesq_compensate: bool = False) -> torch.Tensor:
+               pesq_compensate: bool = False, residual_weight: float = 0.0) -> torch.Tensor:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the scalar loss of `LossConfig` with these
     settings. `net` may be a DDP wrapper of `core`."""
     config = LossConfig(loss_floor, compressed_weight, compressed_power, sisdr_weight, mrstft_weight,
-                        overestimate_weight, pesq_weight, pesq_compensate)
+                        overestimate_weight, pesq_weight, pesq_compensate, residual_weight)
     return config(net, core, noisy, clean, bandwidth, autocast)
 
 
