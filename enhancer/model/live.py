@@ -34,7 +34,7 @@ def live_step(block, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if block.competition is not None:
         c = torch.softmax(torch.cat([_linear(block.competition, h, i) for i, h in enumerate(hs)], dim=1), dim=1)  # (B, G)
     qkv = [_linear(block.qkv, h, i, qkv_w, qkv_b).reshape(-1, 3, block.heads_per_mech, dh) for i, h in enumerate(hs)]
-    qkv = qkv[0] if g == 1 else torch.stack(qkv, dim=2)  # (B, 3, [G,] Hg, dh): heads mechanism-major
+    qkv = qkv[0] if g == 1 else torch.cat(qkv, dim=2)  # (B, 3, H, dh): heads mechanism-major
     q, k, v = qkv.reshape(-1, 3 * nh, 1, dh).split(nh, dim=1)  # (B, H, 1, dh)
     if block.step_scale != 1.0:  # per head, not a scalar: onnxruntime would fold a scalar into the ring
         # matmul as its alpha, and a matmul with alpha != 1 misses its one-row kernel (twice the time)

@@ -32,7 +32,10 @@ class ConvLayer(nn.Module):
         The K shifted views of [tail | x] side by side make one Gemm of B*T rows."""
         k = self.kernel
         win = torch.cat([tail, x], dim=1)  # (B, K-1+T, C_in)
-        cols = torch.cat([win[:, i:i - (k - 1) or None] for i in range(k)], dim=-1) if k > 1 else win  # (B, T, K*C_in)
+        if x.shape[1] == 1:  # one frame: its K views are the window itself
+            cols = win.reshape(win.shape[0], 1, -1)  # (B, 1, K*C_in)
+        else:
+            cols = torch.cat([win[:, i:i - (k - 1) or None] for i in range(k)], dim=-1) if k > 1 else win  # (B, T, K*C_in)
         w = self.conv.weight.permute(0, 2, 1).reshape(self.conv.out_channels, -1)  # (C_out, K*C_in)
         y = F.linear(cols.reshape(-1, k * self.conv.in_channels), w, self.conv.bias)  # (B*T, C_out)
         return F.leaky_relu(self.norm(y), self.slope), (win[:, -(k - 1):] if k > 1 else tail)

@@ -70,7 +70,8 @@ class StreamingStep(nn.Module):
         t = hops.shape[1]
 
         x = torch.cat([prev_hop[:, None], hops], dim=1)  # (B, T+1, hop)
-        spec = torch.cat([x[:, :-1], x[:, 1:]], dim=-1) @ self.fwd_basis  # (B, T, 2F) = [re | im]
+        frames = x.reshape(-1, 1, 2 * hop_n) if t == 1 else torch.cat([x[:, :-1], x[:, 1:]], dim=-1)  # (B, T, n_fft)
+        spec = frames @ self.fwd_basis  # (B, T, 2F) = [re | im]
         re, im = spec[..., :f], spec[..., f:]
         logmag = torch.log(torch.sqrt(re * re + im * im) + cfg.log_eps)  # (B, T, F)
         x, tails = net.pre.step(net.normalize(logmag), tails)  # (B*T, C)
@@ -88,7 +89,8 @@ class StreamingStep(nn.Module):
         gain = torch.maximum(gain, min_gain[:, None, None])
         spec_all = torch.cat([spec_delay, spec], dim=1)  # (B, L+1+T, 2F): frame t's gain applies to row t+1
         frame = (spec_all[:, 1:spec_all.shape[1] - la] * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
-        out = torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1) + frame[..., :hop_n]  # (B, T, hop)
+        overlap = ola[:, None] if t == 1 else torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1)  # (B, T, hop)
+        out = overlap + frame[..., :hop_n]  # (B, T, hop)
         activity = gain[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
         kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N*T, dh): keys of layers 0..N-1, then values
         head = [out]
