@@ -7,6 +7,7 @@ arguments carry `fn`, the function to run; the core never imports the packages t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -106,6 +107,13 @@ def cmd_export(a) -> int:
     if not a.quiet:
         print(f"loading {a.checkpoint}", file=sys.stderr, flush=True)
     model = load_checkpoint(a.checkpoint)
+    if a.gain_exponent is not None:
+        try:
+            model.config = dataclasses.replace(model.config, gain_exponent=a.gain_exponent)
+            model.config.validate()
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if a.fp16:
         round_to_fp16(model)
     report = export_step(model, a.output, check=not a.no_check, verbose=not a.quiet, fp16_weights=a.fp16,
@@ -258,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--int8", action="store_true",
                    help="dense weights as 8-bit blocks (onnxruntime MatMulNBits): faster steps at small batches, "
                         "not bit-exact (checked: output >= 30 dB above its difference from torch)")
+    e.add_argument("--gain-exponent", type=float, default=None, metavar="E",
+                   help="raise the network's gains to this power in the exported graph (0.5..4; > 1 removes more of "
+                        "the noise left under speech); default: the checkpoint's")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (the JSON report still goes to stdout)")
     e.add_argument("--save-checkpoint", default=None, metavar="PT",
                    help="also write the exported weights as a torch checkpoint without training state")

@@ -76,6 +76,10 @@ class ModelConfig:
     attention_window: int = 128  # frames each frame attends to: itself and W-1 past frames
     # signal / output
     log_eps: float = 1e-4  # log(|X| + eps) on the magnitude of a full-scale-1.0 signal's STFT
+    # the gains applied to the noisy spectrum are the network's gains raised to this power (1: as they
+    # are; > 1: a gain of 0.5 becomes 0.42 at 1.25, a gain near 1 stays near 1), which removes more of
+    # the noise left under speech; the training objective is on the network's gains (`TIMNet.forward`)
+    gain_exponent: float = 1.0
     stft: STFTConfig = field(default_factory=STFTConfig)
 
     # ----------------------------------------------------------------- presets
@@ -142,6 +146,8 @@ class ModelConfig:
             problems.append("first_plain + last_plain exceeds n_layers")
         if self.attention_window < 1:
             problems.append("attention_window must be >= 1 frame")
+        if not 0.5 <= self.gain_exponent <= 4.0:
+            problems.append(f"gain_exponent must be in [0.5, 4], got {self.gain_exponent}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 

@@ -74,6 +74,12 @@ class TIMNet(nn.Module):
         comp = torch.stack(comps, dim=2)[:, la:] if comps else None  # (B, T', n_tim, n_s)
         return gains, comp
 
+    def output_gain(self, gains: torch.Tensor) -> torch.Tensor:
+        """The gains applied to the noisy spectrum: the network's gains (`forward`) raised to
+        `gain_exponent`, before the attenuation limit."""
+        e = self.config.gain_exponent
+        return gains if e == 1.0 else gains ** e
+
     # ------------------------------------------------------------------ waveform in, waveform out
     @torch.no_grad()
     def enhance(self, wav: torch.Tensor, min_gain: float = 0.0) -> torch.Tensor:
@@ -83,7 +89,7 @@ class TIMNet(nn.Module):
         steps = -(-(cfg.delay_samples + n) // cfg.stft.hop)
         spec = features.stft(wav, cfg.stft, n_frames=steps)  # (B, S, F)
         gains, _ = self(features.log_magnitude(spec, cfg.log_eps), pad_end=False)  # (B, S-L, F)
-        gains = gains.clamp_min(min_gain)
+        gains = self.output_gain(gains).clamp_min(min_gain)
         return features.istft(spec[:, : gains.shape[1]] * gains, n, cfg.stft)
 
 

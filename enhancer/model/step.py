@@ -21,7 +21,7 @@ Key/value ring buffers (read by the graph, written by the caller in place):
     k0..k7, v0..v7  (B, H, W, dh)     slot `p % W` holds frame p's key/value
 Outputs, named (`enhancer.step_io.output_names`; read them by name with `StepOutputs.decode`):
 out (B, T, 256), the stream delayed by (L + 1) * 256 samples; competition (B, T, n_tim, n_s)
-(models with competition only); activity (B, T) mean gain over 300 Hz..4 kHz; kv_rows
+(models with competition only); activity (B, T) mean network gain over 300 Hz..4 kHz; kv_rows
 (B, H, 2N * T, dh) with N = n_layers, i.e. (B, H, 2N, T, dh) flattened: the T frames' keys (layers
 0..N-1) then values, which the caller writes to slots `(pos + t) % W` of the rings
 (`enhancer.step_io.write_rings`); then the new state caches, `<name>_next`.
@@ -85,13 +85,15 @@ class StreamingStep(nn.Module):
             v_rows.append(v_row)
             if c is not None:
                 comps.append(c)
-        gain = torch.sigmoid(net.head(x)).reshape(hops.shape[0], t, f)  # (B, T, F)
-        gain = torch.maximum(gain, min_gain[:, None, None])
+        net_gain = torch.sigmoid(net.head(x)).reshape(hops.shape[0], t, f)  # (B, T, F): the network's gains
+        gain = torch.maximum(net.output_gain(net_gain), min_gain[:, None, None])  # those applied to the spectrum
+        # the speech activity is read from the network's gains, whatever the gain exponent
+        speech = gain if cfg.gain_exponent == 1.0 else torch.maximum(net_gain, min_gain[:, None, None])
         spec_all = torch.cat([spec_delay, spec], dim=1)  # (B, L+1+T, 2F): frame t's gain applies to row t+1
         frame = (spec_all[:, 1:spec_all.shape[1] - la] * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
         overlap = ola[:, None] if t == 1 else torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1)  # (B, T, hop)
         out = overlap + frame[..., :hop_n]  # (B, T, hop)
-        activity = gain[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
+        activity = speech[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
         kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N*T, dh): keys of layers 0..N-1, then values
         head = [out]
         if self.with_comp:
