@@ -7,10 +7,12 @@ dense layers' weights as int8 (one float scale per block of 32) reads a quarter 
 
 What is quantized: every dense layer with a constant weight (the pre-encoder convolutions, the
 projections, the ordinary blocks' attention and FFN, the inter-mechanism attention's and the
-output head's) -- torch exports them as `Gemm`, rewritten here as `MatMul` (+ bias) for the
-quantizer. What is not: the DFT bases (they produce the audio, so they keep float32 precision),
-the attention over the key/value rings (activations, not weights), and the grouped per-mechanism
-weights of TIM blocks (3-D batched matmuls, which `MatMulNBits` does not take).
+output head's, and in the live body of the graph every TIM mechanism's layers) -- torch exports
+them as `Gemm`, rewritten here as `MatMul` (+ bias) for the quantizer. What is not: the DFT bases
+(they produce the audio, so they keep float32 precision), the attention over the key/value rings
+(activations, not weights), and in the any-T body the grouped per-mechanism weights of TIM blocks
+(3-D batched matmuls, which `MatMulNBits` does not take). `export_step` quantizes each body
+before joining them (`enhancer.graph_switch`).
 """
 from __future__ import annotations
 
