@@ -144,13 +144,13 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=BATCHES, seconds: f
         res["streams_per_core"] = best_b
         res["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
         bar.update()
+    cores = usable_cores()
     for enh, res in zip(enhs, results):
         if res["streams_per_core"]:
             ms = time_steps(enh, res["streams_per_core"], search_steps)
             res["live_cost_ms_per_hop"] = float(np.percentile(ms, 50) / res["streams_per_core"])  # one stream's share
         best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
         res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
-        cores = usable_cores()
         res["cores"] = cores
         res["suggested_workers"] = cores
         res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * cores)
