@@ -188,6 +188,13 @@ class Chromium:
             if "method" in msg:
                 self.events.append(msg)
 
+    def stop_live(self, settle_s: float = 1.5) -> None:
+        """Press the live view's Stop, wait until the page says it stopped, then let it run `settle_s`
+        (the websocket's close and the last messages arrive)."""
+        self.evaluate("document.getElementById('stop').click()", user_gesture=True)
+        assert self.wait_for("window.demoState.status === 'stopped'", 10), self.evaluate("window.demoState")
+        self.pump(settle_s)
+
     def errors(self) -> list[str]:
         """Uncaught exceptions, console.error/assert calls and error log entries (failed loads) so far."""
         out = []

@@ -102,9 +102,7 @@ def test_live_view_by_keyboard_stream_spectrograms_meters_latency_stop_start_aga
         page.evaluate("document.getElementById('start').click()", user_gesture=True)
         again = page.wait_for(STREAMING.format(n=first + rate), 40) or page.evaluate("window.demoState")
         assert again["status"] == "streaming" and again["error"] is None, again
-        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
-        assert page.wait_for("window.demoState.status === 'stopped'", 10)
-        page.pump(2.0)
+        page.stop_live(2.0)
         assert page.evaluate("document.getElementById('start').disabled") is False
         assert page.errors() == []
     finally:
@@ -148,9 +146,7 @@ def test_live_view_band_switch_full_band_from_a_48_khz_microphone(live, browser_
         assert full_out["above"] > 0.5 * full_in["above"], (full_out, full_in)
         page.evaluate("window.scrollTo(0, 0)")
         page.screenshot(ARTIFACTS / "demo" / "live-view-full-band.png", full_page=True)
-        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
-        assert page.wait_for("window.demoState.status === 'stopped'", 10)
-        page.pump(1.5)
+        page.stop_live(1.5)
         live.wait_idle()
 
         page.evaluate("document.getElementById('band').value = 'speech'")
@@ -167,9 +163,7 @@ def test_live_view_band_switch_full_band_from_a_48_khz_microphone(live, browser_
         page.screenshot(path, full_page=True)
         with capsys.disabled():
             print(f"\n  screenshots: {path.parent}/live-view-{{full,speech}}-band.png")
-        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
-        assert page.wait_for("window.demoState.status === 'stopped'", 10)
-        page.pump(1.5)
+        page.stop_live(1.5)
         assert page.errors() == []
     finally:
         page.close()
@@ -250,9 +244,7 @@ def test_readme_screenshot_of_the_live_view_with_the_shipped_model(live_shipped,
             targets.append(README_SHOT)
         with capsys.disabled():
             print(f"\n  screenshot ({len(png) // 1024} KB): {', '.join(map(str, targets))}")
-        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
-        assert page.wait_for("window.demoState.status === 'stopped'", 10)
-        page.pump(1.5)
+        page.stop_live(1.5)
         assert page.errors() == []
     finally:
         page.close()

@@ -359,9 +359,7 @@ def test_phone_sized_window_both_views_without_horizontal_overflow(live, browser
         assert page.evaluate(NO_OVERFLOW), page.evaluate("[document.documentElement.scrollWidth, innerWidth]")
         page.evaluate("window.scrollTo(0, 0)")
         shot(page, "live-view-narrow.png", capsys)
-        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
-        assert page.wait_for("window.demoState.status === 'stopped'", 10)
-        page.pump(1.5)
+        page.stop_live(1.5)
         assert page.errors() == []
     finally:
         page.close()
@@ -408,9 +406,7 @@ def test_with_an_api_key_typed_in_or_in_the_address(live_auth, browser_available
         page.evaluate("document.getElementById('start').click()", user_gesture=True)
         assert page.wait_for("window.demoState.status === 'streaming' && window.demoState.enhancedSamples > 24000", 40), \
             page.evaluate("window.demoState")
-        page.evaluate("document.getElementById('stop').click()", user_gesture=True)
-        assert page.wait_for("window.demoState.status === 'stopped'", 10)
-        page.pump(1.0)
+        page.stop_live(1.0)
         live_auth.wait_idle()
         page.evaluate("location.hash = '#file'")
         choose(page)
