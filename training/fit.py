@@ -51,6 +51,9 @@ def add_fit(sub, dnsmos_dir: Path | None = None) -> None:
     p.add_argument("--mix", action="append", default=[], metavar="KEY=VALUE",
                    help="set one mixing/augmentation setting of training.data.synthesis.MixConfig, e.g. --mix p_reverb=0 "
                         "or --mix rt60_s=0.3,0.8 (repeatable; applied after --augment)")
+    p.add_argument("--noise-weight", action="append", default=[], metavar="SOURCE=W",
+                   help="draw the noise clips of SOURCE (a manifest group's first word, e.g. ambient) with weight W "
+                        "instead of the default sqrt(its groups) (repeatable)")
     p.set_defaults(func=cmd_fit, dnsmos_dir=dnsmos_dir)
 
 
@@ -111,6 +114,8 @@ def cmd_fit(args) -> int:
 
         mix = {**AUGMENT_RECIPE, **mix}
     mix.update(parse_mix_settings(args.mix))
+    if args.noise_weight:
+        mix["noise_weights"] = parse_source_weights(args.noise_weight, "--noise-weight")
     data = training_data(args)  # checked before anything starts
     opts = FitOptions.from_args(args, config=model_config(args), mix=mix, resume=False if args.no_resume else args.resume,
                                 dnsmos_dir=args.dnsmos_dir if args.dev is not None else None)
@@ -120,6 +125,21 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def parse_source_weights(pairs: list[str], flag: str) -> dict[str, float]:
+    """["ambient=3", "0ad=0.5"] -> {"ambient": 3.0, "0ad": 0.5}; a bad pair is refused before any data is read."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            w = float("nan")
+        if not sep or not key.strip() or not (w >= 0 and math.isfinite(w)):
+            raise ValueError(f"{flag} {pair!r}: expected SOURCE=W with W a finite number >= 0")
+        out[key.strip()] = w
+    return out
+
+
 def parse_mix_settings(pairs: list[str]) -> dict:
     """["p_reverb=0.3", "rt60_s=0.3,0.8"] -> {"p_reverb": 0.3, "rt60_s": (0.3, 0.8)}; unknown keys and
     bad values are refused here, before any data is read."""
@@ -127,7 +147,7 @@ def parse_mix_settings(pairs: list[str]) -> dict:
 
     from .data.synthesis import TUPLE_FIELDS, MixConfig
 
-    known = {f.name for f in fields(MixConfig)} - {"source_weights"}
+    known = {f.name for f in fields(MixConfig)} - {"source_weights", "noise_weights"}
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")

@@ -17,7 +17,7 @@ from training.data.manifests import Item
 from training.data.mixing import active_rms
 from training.data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
 from training.evaluation.devscore import DevScore
-from training.fit import parse_mix_settings
+from training.fit import parse_mix_settings, parse_source_weights
 from training.loop import cosine_lr
 
 SR = 16000
@@ -171,6 +171,10 @@ def test_mix_settings_parse_and_refuse():
             parse_mix_settings(bad)
     with pytest.raises(ValueError, match="unknown mixing setting"):
         MixConfig.from_dict({"bogus": 1})
+    assert parse_source_weights(["ambient=3", " 0ad = 0.5"], "--noise-weight") == {"ambient": 3.0, "0ad": 0.5}
+    for bad in ("ambient", "=2", "ambient=x", "ambient=-1", "ambient=inf"):
+        with pytest.raises(ValueError, match="--noise-weight"):
+            parse_source_weights([bad], "--noise-weight")
 
 
 def test_cosine_schedule():

@@ -8,7 +8,7 @@ import torch
 from enhancer import ModelConfig
 from tests.conftest import speechlike
 from training.data.audio_cache import AudioSet
-from training.data.manifests import Item
+from training.data.manifests import DataError, Item
 from training.data.mixing import active_rms, fit_length, level_db, mix, snr_db
 from training.data.synthesis import MixConfig, Synthesizer, validation_set
 from training.losses.objective import band_weight
@@ -124,6 +124,20 @@ def test_sources_are_drawn_by_source_not_by_clip():
     assert shares == {"g722": round(1 / (1 + 3 ** 0.5), 3), "libri": round(3 ** 0.5 / (1 + 3 ** 0.5), 3)}
     s2 = Synthesizer(speech, noise, music, MixConfig(segment_seconds=0.5, source_weights={"g722": 0.0}), seed=0)
     assert all(not s2.example(i).info["group"].startswith("g722") for i in range(40))
+
+
+def test_noise_weights_set_the_noise_sources_shares_and_refuse_unknown_sources():
+    speech, noise, music = _sets()
+    assert Synthesizer(speech, noise, music, MixConfig(segment_seconds=0.5)).noise.shares() == {"n0": 0.5, "n1": 0.5}
+    s = Synthesizer(speech, noise, music, MixConfig(segment_seconds=0.5, noise_weights={"n0": 3.0}), seed=0)
+    assert s.noise.shares() == {"n0": 0.75, "n1": 0.25}
+    off = Synthesizer(speech, noise, music, MixConfig(segment_seconds=0.5, noise_weights={"n1": 0.0}), seed=0)
+    rng = np.random.default_rng(0)
+    assert {off.noise.group_names[off.noise.group(rng)] for _ in range(50)} == {"n0"}
+    with pytest.raises(DataError, match="lacks: ambient"):
+        Synthesizer(speech, noise, music, MixConfig(segment_seconds=0.5, noise_weights={"ambient": 2.0}))
+    with pytest.raises(ValueError, match="noise_weights"):
+        MixConfig(noise_weights={"n0": -1.0}).validate()
 
 
 def test_band_weight_masks_above_bandwidth():

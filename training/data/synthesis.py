@@ -48,6 +48,7 @@ class MixConfig:
     # one, and digital silence (gaps, padded prompts) would otherwise dominate the log-magnitude loss
     floor_db: tuple[float, float] = (60.0, 80.0)
     source_weights: dict[str, float] = field(default_factory=dict)  # override the sqrt(groups) rule
+    noise_weights: dict[str, float] = field(default_factory=dict)  # the same for the noise clips' sources
     # augmentations (training.data.augment), all off by default; AUGMENT_RECIPE switches them on
     p_reverb: float = 0.0
     rt60_s: tuple[float, float] = (0.2, 1.0)
@@ -84,6 +85,9 @@ class MixConfig:
                      "p_second_noise", "p_speed_noise"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        for name in ("source_weights", "noise_weights"):
+            if any(not (float(v) >= 0 and math.isfinite(float(v))) for v in getattr(self, name).values()):
+                raise ValueError(f"{name}: weights must be finite and >= 0, got {getattr(self, name)}")
         if self.speed[0] <= 0 or self.speed_noise[0] <= 0 or self.rt60_s[0] <= 0:
             raise ValueError("speed, speed_noise and rt60_s must be > 0")
         return self
@@ -171,7 +175,11 @@ class Synthesizer:
         self.cfg = cfg.validate()
         self.seed, self.stream = int(seed), int(stream)
         self.speech = Pool(speech, cfg.source_weights)
-        self.noise = Pool(noise)
+        self.noise = Pool(noise, cfg.noise_weights)
+        unknown = sorted(set(cfg.noise_weights) - set(self.noise.source_names))
+        if unknown:
+            raise DataError(f"noise weights name source(s) the noise set lacks: {', '.join(unknown)} "
+                            f"(its sources: {', '.join(self.noise.source_names)})")
         self.music = Pool(music) if music is not None and len(music) else None
 
     def rng(self, index: int) -> np.random.Generator:
