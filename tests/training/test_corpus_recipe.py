@@ -54,8 +54,11 @@ def test_no_evaluation_or_held_out_material():
             assert not any(name in text.lower() for name in FORBIDDEN_NAMES), text
         source = r["out_path"].split("/")[1]
         assert source not in UNSEEN_SOURCES.get(r["category"], ()), r["out_path"]
-        if r["package"].startswith("github:"):  # speech: "<repository name> <speaker>"
+        if r["package"].startswith("github:") and r["category"] == "speech":  # "<repository name> <speaker>"
             assert r["package"].rsplit("/", 1)[1] == r["group"].split()[0] and len(r["group"].split()) == 2, r["group"]
+        elif r["package"].startswith("github:"):  # real ambient noise: "ambient <source>", one corpus-level source
+            assert r["group"].split()[0] == "ambient" and len(r["group"].split()) == 2, r["group"]
+            assert r["out_path"].startswith(f"noise/ambient/{r['package'].rsplit('/', 1)[1]}/"), r["out_path"]
         else:
             assert r["group"] == r["package"] or r["package"] == "pypi:" + r["group"], r["group"]
 
@@ -96,6 +99,22 @@ def test_speech_is_whole_speakers_for_training_pinned_to_a_commit():
     assert len(files) >= 200  # speakers
 
 
+SYNTHETIC_OR_VOICE = re.compile(r"white|pink|brown|miaow", re.IGNORECASE)
+
+
+def test_ambient_noise_is_real_training_material_pinned_to_a_commit():
+    """The real ambient recordings of public repositories (noise/ambient/): training only (the dev sets
+    come from other sources), pinned to a commit, read by libsndfile, no synthetic noise or voice."""
+    ambient = [r for r in rows() if r["category"] == "noise" and r["package"].startswith("github:")]
+    assert len(ambient) >= 10
+    for r in ambient:
+        assert r["split"] == "train" and r["out_path"].startswith("noise/ambient/"), r["out_path"]
+        assert re.fullmatch(r"github:[\w.-]+/[\w.-]+", r["package"]) and re.fullmatch(r"[0-9a-f]{40}", r["version"]), r["package"]
+        assert r["out_path"].lower().endswith(LIBSNDFILE_EXTENSIONS) and not SYNTHETIC_OR_VOICE.search(r["out_path"]), r["out_path"]
+        assert float(r["bandwidth_hz"]) == int(r["sample_rate"]) / 2, r["out_path"]
+    assert all(r["group"].startswith("ambient ") for r in rows() if r["out_path"].startswith("noise/ambient/"))
+
+
 # Packages whose music and noise rows were split together, counting both categories (the rule before the
 # third round of noise); they keep that split. Every other package is split per package and category.
 SPLIT_ACROSS_CATEGORIES = ("extremetuxracer-data", "flare-game", "tuxfootball")
@@ -104,8 +123,8 @@ SPLIT_ACROSS_CATEGORIES = ("extremetuxracer-data", "flare-game", "tuxfootball")
 def test_valid_split_is_the_smallest_md5_tenth_of_each_package_and_category():
     by_package = defaultdict(list)
     for r in rows():
-        if r["category"] == "speech":
-            continue  # whole speakers, training only (above)
+        if r["category"] == "speech" or r["package"].startswith("github:"):
+            continue  # whole speakers and the ambient recordings: training only (above, below)
         key = r["package"] if r["package"] in SPLIT_ACROSS_CATEGORIES else (r["package"], r["category"])
         by_package[key].append(r)
     for package, rs in by_package.items():
