@@ -138,6 +138,11 @@ def test_noise_weights_set_the_noise_sources_shares_and_refuse_unknown_sources()
         Synthesizer(speech, noise, music, MixConfig(segment_seconds=0.5, noise_weights={"ambient": 2.0}))
     with pytest.raises(ValueError, match="noise_weights"):
         MixConfig(noise_weights={"n0": -1.0}).validate()
+    # the validation set draws its noises by the default rule, whatever the run's weights name
+    a = validation_set(speech, noise, music, MixConfig(segment_seconds=1.0), 3, 1.0, None, log=lambda *_: None)
+    b = validation_set(speech, noise, music, MixConfig(segment_seconds=1.0, noise_weights={"ambient": 5.0}), 3, 1.0,
+                       None, log=lambda *_: None)
+    np.testing.assert_array_equal(a["noisy"], b["noisy"])
 
 
 def test_band_weight_masks_above_bandwidth():

@@ -315,7 +315,8 @@ def validation_set(speech: AudioSet, noise: AudioSet, music: AudioSet | None, cf
     """A fixed set of `n_examples` examples of `seconds` each from the validation speakers and
     noises; built once and stored in `cache_dir` (keyed by the data and settings), so every run on
     the same data is scored on the same examples. -> {noisy (K, N), clean (K, N), bandwidth_hz (K,)}"""
-    vcfg = MixConfig.from_dict({**cfg.to_dict(), "segment_seconds": seconds})
+    # the validation noises are drawn by the default rule: a training run's noise weights name training sources
+    vcfg = MixConfig.from_dict({**cfg.to_dict(), "segment_seconds": seconds, "noise_weights": {}})
     key_src = json.dumps([_set_key(speech), _set_key(noise), _set_key(music), vcfg.to_dict(), n_examples, VALID_SEED])
     key = hashlib.sha1(key_src.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"valid-{key}.npz" if cache_dir is not None else None
