@@ -135,7 +135,9 @@ def _add_operations(app: FastAPI, metrics: Metrics) -> None:
             "sample_rate": cfg.stft.sample_rate, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "latency_ms": cfg.algorithmic_latency_ms, "active_streams": scheduler.streams,
             "capacity": scheduler.admission.public() | (scheduler.tracker.public() if scheduler.tracker
-                                                         else {"follows": False}),
+                                                         else {"follows": False})
+            | {"loop_ms_per_stream": None if scheduler.loop_ms_per_stream is None
+               else round(scheduler.loop_ms_per_stream, 3)},
             "limits": request.app.state.settings.public(),
         }
 

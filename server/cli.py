@@ -25,8 +25,11 @@ def add_serve(sub) -> argparse.ArgumentParser:
                    "admits at most this many)")
     s.add_argument("--capacity", type=int, default=None, help="admit this many live streams instead of measuring "
                    "the capacity at start-up")
-    s.add_argument("--capacity-margin", type=float, default=None, help="share of the 16 ms hop the step's p99 must "
-                   "leave free when measuring the capacity (default 0.4)")
+    s.add_argument("--capacity-margin", type=float, default=None, help="share of the 16 ms hop the step (its median "
+                   "times the tail factor p95 / median) must leave free when measuring the capacity (default 0.4)")
+    s.add_argument("--loop-ms", type=float, default=None, help="the event loop's CPU per live stream and hop, "
+                   "reproduced while measuring the capacity (default 0.2; /readyz shows the figure measured while "
+                   "serving as loop_ms_per_stream)")
     s.add_argument("--drain-timeout-s", type=float, default=None, help="on SIGTERM, how long live streams run on "
                    "before they get their tail and close 1012 (default: $TIM_ENHANCER_DRAIN_TIMEOUT_S, else 10)")
     s.add_argument("--agent-port", type=int, default=None, help="TCP port of the HAProxy agent-check (free "
@@ -43,7 +46,7 @@ def cmd_serve(a) -> int:
 
     try:
         run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
-            api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin,
+            api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin, loop_ms=a.loop_ms,
             drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port)
     except ModuleNotFoundError as e:  # installed without the [serve] extra
         raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "

@@ -43,7 +43,7 @@ class Metrics:
                                 "admission counts them against tim_capacity_streams)", registry=r)
         self.capacity_changes = Counter("tim_capacity_changes", "Times the capacity was re-estimated up or down "
                                         "while serving", ["direction"], registry=r)
-        self.projected_step = Gauge("tim_capacity_projected_step_seconds", "Step p99 each worker's live timings "
+        self.projected_step = Gauge("tim_capacity_projected_step_seconds", "Step p95 each worker's live timings "
                                     "project at its capacity (the budget is tim_capacity_step_budget_seconds)",
                                     ["worker"], registry=r)
         self.draining = Gauge("tim_draining", "1 from SIGTERM on (the drain), else 0", registry=r)

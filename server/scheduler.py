@@ -74,6 +74,9 @@ class Scheduler:
         self.jobs: dict[int, Job] = {}
         self._ids = itertools.count(1)
         self.tracker: CapacityTracker | None = None  # a measured capacity that follows the machine
+        # the event loop's CPU per live stream and hop, measured while serving (what Settings.loop_ms estimates)
+        self.loop_ms_per_stream: float | None = None
+        self.hop_s = 0.0  # set once the model is loaded
 
     # lifecycle
     def start(self) -> None:
@@ -112,10 +115,11 @@ class Scheduler:
     def _measure(self, workers: list[Worker]) -> Capacity:
         """Capacity from the settings, or timed on this machine (before the workers start)."""
         s, cfg = self.settings, workers[0].enhancer.config
-        hop_s = cfg.stft.hop / cfg.stft.sample_rate
+        hop_s = self.hop_s = cfg.stft.hop / cfg.stft.sample_rate
         if s.capacity is not None:
             return calibration.fixed(s.capacity, len(workers), s.max_streams, hop_s, s.capacity_margin)
-        return calibration.calibrate([w.pool for w in workers], hop_s, s.capacity_margin, s.max_streams)
+        return calibration.calibrate([w.pool for w in workers], hop_s, s.capacity_margin, s.max_streams,
+                                     loop_ms=s.loop_ms)
 
     def follow_tick(self, now: float | None = None) -> Capacity | None:
         """Re-estimate the capacity from the workers' step timings since the last tick (event loop)."""
@@ -136,15 +140,27 @@ class Scheduler:
         return cap
 
     async def follow(self, tick_s: float = TICK_S) -> None:
-        """Tick the capacity tracker until cancelled (the app's lifespan runs it)."""
-        if self.tracker is None:
-            return
+        """Measure the event loop's work per stream and tick the capacity tracker (if any) until cancelled
+        (the app's lifespan runs it)."""
+        cpu, wall = time.thread_time(), time.monotonic()
         while True:
             await asyncio.sleep(tick_s)
+            cpu, wall = self.measure_loop(cpu, wall, self.admission.live_lanes)
             try:
                 self.follow_tick()
             except Exception:  # a bug here must not stop the service: the capacity stays as it is
                 log.exception("re-estimating the capacity failed")
+
+    def measure_loop(self, cpu0: float, wall0: float, streams: int) -> tuple[float, float]:
+        """Update `loop_ms_per_stream` from this thread's CPU since (cpu0, wall0) with `streams` live
+        (an average over ticks with streams, newer ones weighing more); -> the new (cpu, wall)."""
+        cpu, wall = time.thread_time(), time.monotonic()
+        hops = (wall - wall0) / self.hop_s if self.hop_s else 0.0
+        if streams > 0 and hops > 0:
+            ms = 1000 * (cpu - cpu0) / hops / streams
+            prev = self.loop_ms_per_stream
+            self.loop_ms_per_stream = ms if prev is None else 0.8 * prev + 0.2 * ms
+        return cpu, wall
 
     def stop(self) -> None:
         for w in self.workers:

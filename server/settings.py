@@ -33,7 +33,10 @@ class Settings:
     max_batch_wait_ms: float = 12.0  # a ready hop may wait this long for other live streams to join its step
     # admission and lateness (server/README.md, "Capacity, admission and lateness")
     capacity: int | None = None  # live streams admitted; None: measured at start-up (server.capacity)
-    capacity_margin: float = 0.4  # share of the 16 ms hop the step p99 must leave free when calibrating
+    capacity_margin: float = 0.4  # share of the 16 ms hop the step (median x tail factor) must leave free
+    # the event loop's CPU per live stream and hop (receive, decode, send), reproduced while calibrating;
+    # /readyz shows the figure measured while serving ("loop_ms_per_stream")
+    loop_ms: float = 0.2
     # a measured capacity follows the machine while serving (server.capacity.CapacityTracker): raised when
     # the live steps leave the margin free for capacity_raise_s, lowered when they overrun the budget for
     # capacity_lower_s (never below the streams admitted); False: measured once at start-up
@@ -113,6 +116,8 @@ class Settings:
         if self.capacity is not None and (not isinstance(self.capacity, int) or isinstance(self.capacity, bool)
                                           or self.capacity < 1):
             raise ValueError(f"capacity must be an integer >= 1 or None (measure it), got {self.capacity!r}")
+        if not isinstance(self.loop_ms, (int, float)) or isinstance(self.loop_ms, bool) or not 0 <= self.loop_ms < 16:
+            raise ValueError(f"loop_ms must be a number in [0, 16), got {self.loop_ms!r}")
         if not isinstance(self.capacity_margin, (int, float)) or not 0 <= self.capacity_margin < 1:
             raise ValueError(f"capacity_margin must be a number in [0, 1), got {self.capacity_margin!r}")
         for name in ("lateness_budget_ms", "max_lateness_ms"):

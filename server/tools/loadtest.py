@@ -407,7 +407,7 @@ def main(argv=None) -> int:
         if args.overload is not None:
             args.streams = max(1, math.ceil(args.overload * capacity["streams"]))
             print(f"capacity {capacity['streams']} live streams ({'measured' if capacity.get('calibrated') else 'fixed'}"
-                  f", per worker {capacity.get('per_worker')}, step p99 by batch {capacity.get('step_p99_ms')}); "
+                  f", per worker {capacity.get('per_worker')}, step median by batch {capacity.get('step_p50_ms')}, tail factor {capacity.get('tail_factor')}); "
                   f"offering {args.streams}", file=sys.stderr, flush=True)
         freeze_startup_objects()
         result = asyncio.run(measure(url, audio, rate, args, pid))

@@ -176,17 +176,20 @@ def test_fixed_capacity_is_capped_by_max_streams_and_spread_over_workers():
 
 
 class FakePool:
-    """A lane pool whose step takes 1 ms + 1 ms per lane (a slow model on a slow machine)."""
+    """A lane pool whose step takes 1 ms + 1 ms per lane (a slow model on a slow machine); the
+    `spike`-th step of `spike_batch` lanes takes 30 ms more (a preemption)."""
 
     capacity = 64
 
-    def __init__(self):
+    def __init__(self, spike_batch: int | None = None, spike: int = 5):
         self.engine = SimpleNamespace(config=SimpleNamespace(stft=SimpleNamespace(hop=256)))
         self.batches = []
+        self.spike_batch, self.spike = spike_batch, spike
 
     def step(self, lanes, hops, gains):
         self.batches.append(len(lanes))
-        time.sleep(0.001 * (1 + len(lanes)))
+        extra = 0.03 if len(lanes) == self.spike_batch and self.batches.count(len(lanes)) == self.spike else 0.0
+        time.sleep(0.001 * (1 + len(lanes)) + extra)
 
     def reset(self, lanes):
         pass
@@ -205,6 +208,60 @@ def test_calibration_times_each_worker_and_stays_within_the_budget():
     assert calibration.calibrate([FakePool()], HOP_S, 0.4, max_streams=3, reps=2).streams <= 3
 
 
+def test_pooled_medians_and_the_tail_factor_from_the_served_batch_sizes():
+    ms = np.array([1.0, 1.0, 1.0, 1.0, 2.0]) / 1000  # one step of five twice as slow as the rest
+    a = calibration.WorkerCapacity({1: 3 * ms, 4: ms, 8: 2 * ms})
+    b = calibration.WorkerCapacity({1: 3 * ms, 4: ms})  # a worker whose sweep ended earlier
+    medians, tail = calibration.pooled([a, b])
+    assert medians == pytest.approx({1: 3.0, 4: 1.0, 8: 2.0})
+    # sizes of 4 lanes and more: 15 steps, 3 of them at twice their median: p95 = 2
+    assert tail == pytest.approx(2.0)
+    only_small = calibration.WorkerCapacity({1: np.array([1.0, 1.0, 1.0, 1.0, 1.5]) / 1000})
+    assert calibration.pooled([only_small])[1] == pytest.approx(1.4)  # no big size timed: all sizes count
+    assert calibration.pooled([calibration.WorkerCapacity({4: ms[:4]})])[1] == 1.0  # never below 1
+
+
+def test_lanes_on_line_fits_the_medians_and_never_extrapolates():
+    line = {b: 2.0 + 0.5 * b for b in (1, 2, 4, 8, 16)}  # 2 ms + 0.5 ms per lane
+    assert calibration.lanes_on_line(line, 1.2, 9.6) == 12  # (9.6 / 1.2 - 2) / 0.5
+    assert calibration.lanes_on_line(line, 1.0, 9.6) == 15
+    assert calibration.lanes_on_line(line, 1.0, 100.0) == 16  # within the budget: the largest size timed
+    assert calibration.lanes_on_line(line, 1.0, 2.0) == 0
+    noisy = line | {8: 7.0}  # a noisy median moves the line a little, not the answer much
+    assert 11 <= calibration.lanes_on_line(noisy, 1.2, 9.6) <= 12
+    assert calibration.lanes_on_line({1: 3.0, 2: 2.0}, 1.0, 9.6) == 2  # not rising: the medians themselves
+    assert calibration.lanes_on_line({1: 11.0}, 1.0, 9.6) == 0
+
+
+def test_one_preempted_step_changes_neither_worker_s_capacity():
+    calm = calibration.calibrate([FakePool(), FakePool()], HOP_S, 0.4, max_streams=64, reps=8)
+    spiked = calibration.calibrate([FakePool(spike_batch=6, spike=20), FakePool()], HOP_S, 0.4, max_streams=64, reps=8)
+    assert calm.per_worker[0] == calm.per_worker[1] and spiked.per_worker[0] == spiked.per_worker[1]
+    # the fake step (1 ms + 1 ms per lane, a little more as sleeps overshoot) fits 7 or 8 lanes in 9.6 ms
+    assert 6 <= calm.per_worker[0] <= 8 and abs(spiked.per_worker[0] - calm.per_worker[0]) <= 1
+    assert spiked.step_p99_ms[0][6] > 30 > spiked.step_p50_ms[6]  # the spike was timed, and outvoted
+
+
+def test_calibration_reproduces_the_event_loop_work_of_the_lanes_being_stepped():
+    import threading
+
+    stepping, done, used = [2, 1], threading.Event(), []
+
+    def run():
+        t0 = time.thread_time()
+        calibration.emulate_loop(stepping, 0.001, HOP_S, done)
+        used.append(time.thread_time() - t0)
+
+    t = threading.Thread(target=run)
+    wall = time.perf_counter()
+    t.start()
+    time.sleep(0.32)
+    done.set()
+    t.join()
+    hops = (time.perf_counter() - wall) / HOP_S
+    assert used[0] == pytest.approx(3 * 0.001 * hops, rel=0.25)  # 1 ms per lane and hop, 3 lanes
+
+
 def test_server_calibrates_at_start_up_before_it_is_ready(model_path):
     srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=None, max_streams=4)))
     try:
@@ -221,6 +278,8 @@ def test_settings_validate_capacity_and_lateness():
         Settings.build(capacity=0)
     with pytest.raises(ValueError, match="capacity_margin"):
         Settings.build(capacity_margin=1.0)
+    with pytest.raises(ValueError, match="loop_ms"):
+        Settings.build(loop_ms=-0.1)
     with pytest.raises(ValueError, match="max_lateness_ms"):
         Settings.build(lateness_budget_ms=100, max_lateness_ms=50)
     assert Settings.build().capacity is None  # measured by default
