@@ -101,3 +101,28 @@ def test_scheduler_reserves_lanes_on_the_loop_and_restores_the_switch_interval(m
     finally:
         s.stop()
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_the_event_loop_s_cpu_per_stream_and_hop_is_measured_and_averaged():
+    import time
+
+    s = Scheduler(Settings.build(), Metrics())
+    s.hop_s = 0.016
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    cpu, wall = time.thread_time(), time.monotonic()
+    cpu, wall = s.measure_loop(cpu, wall, 0)  # no stream: nothing to measure
+    assert s.loop_ms_per_stream is None
+    burn(0.032)
+    w0 = wall
+    cpu, wall = s.measure_loop(cpu, wall, 2)
+    first = s.loop_ms_per_stream
+    hops = (wall - w0) / 0.016
+    assert first == pytest.approx(1000 * 0.032 / hops / 2, rel=0.2)  # all the CPU was this thread's, 2 streams
+    time.sleep(0.032)  # idle: the next tick measures (almost) nothing, weighed 1 in 5
+    s.measure_loop(cpu, wall, 2)
+    assert s.loop_ms_per_stream == pytest.approx(0.8 * first, rel=0.1)
