@@ -267,6 +267,8 @@ def test_server_calibrates_at_start_up_before_it_is_ready(model_path):
     try:
         cap = httpx.get(srv.base + "/readyz", timeout=10).json()["capacity"]
         assert cap["calibrated"] is True and 1 <= cap["streams"] <= 4 and cap["step_p99_ms"][0]["1"] > 0
+        assert cap["step_p50_ms"]["1"] > 0 and cap["tail_factor"] >= 1 and cap["calibration_loop_ms"] == 0.2
+        assert "loop_ms_per_stream" in cap
         assert cap["calibration_s"] < 10
         assert metric(srv, "tim_capacity_calibrated") == 1 and metric(srv, "tim_capacity_streams") == cap["streams"]
     finally:
