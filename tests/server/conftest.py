@@ -19,6 +19,8 @@ class LiveServer:
         self.settings = Settings.build(**settings)
         self.app = server.create_app(self.settings)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # as server.serving.listen does: a restart on this port binds while old connections linger
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"

@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def live_fault(model_path):
-    """Short idle timeout and a small input buffer, so stalls and backpressure show within seconds."""
-    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(idle_timeout_s=1.5, max_buffered_s=0.5, max_streams=8)))
+    """Short idle timeout and a small input buffer, so stalls and backpressure show within seconds.
+    Room for twice the 8 clients of the reconnect loop: a client that reconnects at once may find its
+    previous stream not yet released (the order of two sockets' events is the event loop's)."""
+    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(idle_timeout_s=1.5, max_buffered_s=0.5, max_streams=16)))
     yield srv
     srv.stop()
 
