@@ -221,18 +221,25 @@ def pooled(results: Sequence[WorkerCapacity]) -> tuple[dict[int, float], float]:
     return medians, max(tail, 1.0)
 
 
+def step_line(points: dict[int, float]) -> tuple[float, float] | None:
+    """(a, c) of the line `step = a + c x batch` fitted (least squares) to `points` (batch -> ms), or
+    None when fewer than two sizes were timed or the line does not rise."""
+    sizes = sorted(b for b in points if b >= 1)
+    if len(sizes) < 2:
+        return None
+    c, a = np.polyfit(np.array(sizes, float), np.array([points[b] for b in sizes], float), 1)
+    return (float(a), float(c)) if c > 0 else None
+
+
 def lanes_on_line(medians: dict[int, float], tail: float, budget_ms: float) -> int:
-    """Lanes whose step, on the line `a + c x batch` fitted (least squares) to the medians and times the
+    """Lanes whose step, on the line `a + c x batch` fitted to the medians (`step_line`) and times the
     tail factor, is within `budget_ms`, never more than the largest size timed; with fewer than two
     sizes or a line that does not rise, the measured medians themselves (`lanes_within`)."""
-    sizes = sorted(medians)
-    scaled = {b: tail * medians[b] for b in sizes}
-    if len(sizes) < 2:
-        return lanes_within(scaled, budget_ms)
-    c, a = np.polyfit(np.array(sizes, float), np.array([medians[b] for b in sizes]), 1)
-    if not c > 0:
-        return lanes_within(scaled, budget_ms)
-    return int(min(max(math.floor((budget_ms / tail - a) / c + 1e-9), 0), sizes[-1]))
+    line = step_line(medians)
+    if line is None:
+        return lanes_within({b: tail * m for b, m in medians.items()}, budget_ms)
+    a, c = line
+    return int(min(max(math.floor((budget_ms / tail - a) / c + 1e-9), 0), max(medians)))
 
 
 def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: float = 8.0,
@@ -285,15 +292,13 @@ def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: 
 
 
 def overhead_lanes(points: dict[int, float]) -> float:
-    """The fixed cost of a step in lanes' worth, `a / c` of the line `step = a + c x batch` fitted (least
-    squares) to the calibration's points; `DEFAULT_OVERHEAD_LANES` when fewer than two sizes were timed
-    or the line is not rising. A negative intercept (costs growing faster than the batch) counts 0."""
-    sizes = sorted(b for b in points if b >= 1)
-    if len(sizes) < 2:
+    """The fixed cost of a step in lanes' worth, `a / c` of the calibration's `step_line`;
+    `DEFAULT_OVERHEAD_LANES` when it has none. A negative intercept (costs growing faster than the
+    batch) counts 0."""
+    line = step_line(points)
+    if line is None:
         return DEFAULT_OVERHEAD_LANES
-    c, a = np.polyfit(np.array(sizes, float), np.array([points[b] for b in sizes], float), 1)
-    if not c > 0:
-        return DEFAULT_OVERHEAD_LANES
+    a, c = line
     return float(min(max(a, 0.0) / c, 64.0))
 
 
