@@ -74,8 +74,6 @@ class Server(uvicorn.Server):
         await drain.run(self.app, self.app.state.settings.drain_timeout_s, lambda: self.force_exit)
         for server in self.servers:  # still listening until here: probes see 503 / 200, not refused connections
             server.close()
-        for sock in sockets or ():  # uvloop listens on a duplicate of a socket passed in: close ours too,
-            sock.close()  # or connections would wait in its backlog instead of being refused
         if self.agent is not None:
             await self.agent.close()
         await super().shutdown(sockets)
