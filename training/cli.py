@@ -12,6 +12,7 @@ torchrun). This module only wires the sub-commands; each lives in its own module
     pack          the corpus as compressed shards (GPU machines)  training.data.shards
     bench-fit     where a training step's time goes               training.benchfit
     average       the mean of several checkpoints (model soup)    training.average
+    grow          a wider model with the same output              training.grow
     corpus        rebuild the training corpus from public sources training.data.corpus
 
     enhancer-train fit --preset tim --data ../enhancer-data --out runs/tim
@@ -41,6 +42,7 @@ from .evaluation.devset import add_devset
 from .evaluation.evaluate import add_eval
 from .evaluation.plots import add_plot
 from .fit import add_fit
+from .grow import add_grow
 
 
 def add_bench_peers(sub) -> None:
@@ -78,6 +80,7 @@ def build_parser(defaults: Defaults | None = None) -> argparse.ArgumentParser:
     add_pack(sub)
     add_bench_fit(sub)
     add_average(sub)
+    add_grow(sub)
     add_corpus(sub)
     return parser
 

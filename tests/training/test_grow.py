@@ -1,0 +1,53 @@
+"""`enhancer-train grow`: the wider model computes what the trained one computes, keeps every trained
+tensor, and trains its new units; narrowing is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enhancer import load_checkpoint
+from tests.training.test_average import checkpoint, tiny_config
+from training.cli import main
+from training.data.manifests import DataError
+from training.grow import grow_checkpoint
+
+
+@pytest.mark.parametrize("mechanisms", [1, 2])
+def test_grown_model_has_the_same_output(tmp_path, mechanisms):
+    cfg = tiny_config(n_mechanisms=mechanisms)
+    path, _ = checkpoint(tmp_path, "a.pt", 3, cfg=cfg)
+    small = load_checkpoint(path)
+    out = grow_checkpoint(path, tmp_path / "wide.pt", d_ffn=3 * cfg.d_ffn)
+    wide = load_checkpoint(out)
+    assert wide.config.d_ffn == 3 * cfg.d_ffn
+    assert sum(p.numel() for p in wide.parameters()) > sum(p.numel() for p in small.parameters())
+    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = small.enhance(wav), wide.enhance(wav)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    # the trained tensors are the leading slices of the grown ones
+    s, w = small.state_dict(), wide.state_dict()
+    for k, v in s.items():
+        assert torch.equal(w[k][tuple(slice(0, n) for n in v.shape)], v), k
+    # the new units are live: random input weights, so their output weights get a gradient
+    blk = next(b for b in wide.blocks if b.ffn_in.weight.shape[-1] > cfg.d_ffn // b.g)
+    new_in = blk.ffn_in.weight[..., cfg.d_ffn // blk.g:]
+    assert new_in.abs().sum() > 0
+    assert torch.count_nonzero(blk.ffn_out.weight[:, cfg.d_ffn // blk.g:]) == 0
+
+
+def test_narrowing_and_odd_widths_are_refused(tmp_path):
+    cfg = tiny_config(n_mechanisms=2)
+    path, _ = checkpoint(tmp_path, "a.pt", 3, cfg=cfg)
+    with pytest.raises(DataError, match="only widens"):
+        grow_checkpoint(path, tmp_path / "x.pt", d_ffn=cfg.d_ffn - 2)
+    with pytest.raises(DataError, match="multiple"):
+        grow_checkpoint(path, tmp_path / "x.pt", d_ffn=cfg.d_ffn + 1)
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_cli(tmp_path, capsys):
+    path, _ = checkpoint(tmp_path, "a.pt", 3)
+    assert main(["grow", str(path), "--d-ffn", str(2 * tiny_config().d_ffn), "-o", str(tmp_path / "w.pt")]) == 0
+    assert "grew" in capsys.readouterr().out
+    assert load_checkpoint(tmp_path / "w.pt").checkpoint["extra"]["grown_from"]["d_ffn"] == tiny_config().d_ffn
