@@ -32,14 +32,15 @@ def grow_checkpoint(path, out, d_ffn: int, seed: int = 0) -> Path:
     if d_ffn % cfg.n_mechanisms:
         raise DataError(f"--d-ffn {d_ffn}: must be a multiple of the {cfg.n_mechanisms} mechanisms")
     new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn)
-    torch.manual_seed(seed)
-    new = build_model(new_cfg)
+    with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state
+        torch.manual_seed(seed)
+        new = build_model(new_cfg)
     own, src = new.state_dict(), old.state_dict()
     state = {}
     for k, v in own.items():
         s = src[k]
         if s.shape == v.shape:
-            state[k] = s.clone()
+            state[k] = s
             continue
         # only the feed-forward tensors change: ffn_in.weight (G, dm, F/G) and .bias (G, F/G);
         # ffn_out.weight (G, F/G, dm). New hidden units: random in, zero bias, zero out.

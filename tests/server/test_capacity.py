@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import threading
 import time
 from types import SimpleNamespace
 
@@ -180,8 +181,6 @@ class VirtualClock:
     fake step exactly, whatever else the machine runs (a loaded machine overshoots real sleeps)."""
 
     def __init__(self):
-        import threading
-
         self.local = threading.local()
 
     def perf_counter(self) -> float:
@@ -194,8 +193,7 @@ class VirtualClock:
 @pytest.fixture
 def clock(monkeypatch) -> VirtualClock:
     c = VirtualClock()
-    monkeypatch.setattr(calibration, "time", SimpleNamespace(perf_counter=c.perf_counter, sleep=c.sleep,
-                                                             thread_time=c.perf_counter))
+    monkeypatch.setattr(calibration, "time", SimpleNamespace(perf_counter=c.perf_counter, sleep=c.sleep))
     return c
 
 
@@ -269,7 +267,6 @@ def test_one_preempted_step_changes_neither_worker_s_capacity(clock):
 
 
 def test_calibration_reproduces_the_event_loop_work_of_the_lanes_being_stepped():
-    import threading
 
     stepping, done, used = [2, 1], threading.Event(), []
 
