@@ -267,7 +267,6 @@ def test_one_preempted_step_changes_neither_worker_s_capacity(clock):
 
 
 def test_calibration_reproduces_the_event_loop_work_of_the_lanes_being_stepped():
-
     stepping, done, used = [2, 1], threading.Event(), []
 
     def run():
