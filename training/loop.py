@@ -43,6 +43,7 @@ from .prepare import (
     choose_settings,
     dev_scorer,
     load_data,
+    load_teacher,
     prepare_model,
     schedule_length,
 )
@@ -131,6 +132,7 @@ class Trainer:
         self.net = None  # what the step runs: `core`, or its DistributedDataParallel wrapper
         self.opt: torch.optim.Optimizer | None = None
         self.scaler = None  # GradScaler for fp16
+        self.teacher = None  # the --teacher model (eval mode, frozen), when the objective has a teacher term
         # progress (`resume.restore_progress`, the loop)
         self.step, self.examples, self.hours = 0, 0, 0.0
         self.lr, self.best, self.bad = opts.lr, math.inf, 0  # lr now, best validation loss, validations since
@@ -160,6 +162,7 @@ class Trainer:
         m = prepare_model(o, d, self.cfg, resume, init_model, self.synth, self.mix, self.seed, self.dropout,
                           self.precision, self.log)
         self.core, self.net, self.opt, self.scaler = m.core, m.net, m.opt, m.scaler
+        self.teacher = load_teacher(o, self.cfg, d.device, self.log)
         if resume is not None:
             p = restore_progress(resume, self.opt, d, self.log)
             self.step, self.examples, self.hours, self.lr, self.best, self.bad, self.best_dev = p
@@ -203,7 +206,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         if self.opts.schedule == "cosine":
             self._apply_lr()
-        loss = self.loss(self.net, self.core, noisy, clean, bw, self.autocast)
+        loss = self.loss(self.net, self.core, noisy, clean, bw, self.autocast, self.teacher)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.opt)

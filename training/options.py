@@ -82,6 +82,12 @@ class FitOptions:
     residual_weight: float = field(default=0.0, metadata=flag(
         "add this weight times the MSE of |magnitude|^0.3 over the noise left in noise-dominated bins (|noise| > "
         "|speech| and the estimate above the clean magnitude), per bin compared (default 0: off)", type=float))
+    teacher: str | None = field(default=None, metadata=flag(
+        "a trained model (.pt) with the same framing whose estimate on the same input the --teacher-weight term "
+        "compares with (e.g. the shipped model, teaching one with a shorter attention window)", metavar="CKPT"))
+    teacher_weight: float = field(default=0.0, metadata=flag(
+        "add this weight times the MSE between the log-magnitude estimate and --teacher's, per bin compared "
+        "(default 0: off)", type=float))
     schedule: str = field(default="plateau", metadata=flag(
         "plateau: halve the lr after --patience validations without improvement; cosine: linear warm-up "
         "over --warmup-steps, then cosine decay to --final-lr at --total-steps", choices=("plateau", "cosine")))

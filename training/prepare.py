@@ -112,6 +112,28 @@ def prepare_model(o: FitOptions, d: Dist, cfg: ModelConfig, resume: ResumePoint 
     return RunModel(core, net, opt, scaler)
 
 
+def load_teacher(o: FitOptions, cfg: ModelConfig, device, log):
+    """The --teacher model (eval mode, no gradients) for the --teacher-weight term, or None. It must
+    frame the audio as the student does (STFT, lookahead, log floor), so that both estimate the same
+    frames; its attention window, widths and depth may differ."""
+    if o.teacher_weight > 0.0 and not o.teacher:
+        raise ValueError("--teacher-weight needs --teacher CKPT")
+    if not o.teacher:
+        return None
+    if o.teacher_weight <= 0.0:
+        raise ValueError("--teacher is used by the --teacher-weight term: give it a weight > 0")
+    teacher = load_checkpoint(o.teacher)
+    t = teacher.config
+    differ = [name for name in ("stft", "lookahead", "log_eps", "n_freqs") if getattr(t, name) != getattr(cfg, name)]
+    if differ:
+        raise ValueError(f"--teacher {o.teacher}: frames the audio differently from the model trained "
+                         f"(differs in {', '.join(differ)})")
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    log(f"teacher {o.teacher} ({t.name}, attention window {t.attention_window}), weight {o.teacher_weight:g}")
+    return teacher.eval().to(device)
+
+
 @dataclass
 class RunSettings:
     mix: MixConfig

@@ -14,6 +14,7 @@ from enhancer.config import STFTConfig
 from enhancer.model import features
 from training.losses.objective import (
     COMPRESSED_POWER,
+    LossConfig,
     band_weight,
     batch_loss,
     loss_sums,
@@ -114,6 +115,92 @@ def test_residual_weight_adds_the_noise_left_in_noise_dominated_bins(tiny_model,
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="residual_weight"):
             batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, residual_weight=bad)
+
+
+def teacher_of(model, window: int):
+    """A model with `model`'s weights and framing and another attention window (as a teacher or a student)."""
+    from dataclasses import replace
+
+    from enhancer import build_model
+
+    other = build_model(replace(model.config, attention_window=window)).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def teacher_reference(student, teacher, noisy, bandwidth, floor):
+    """The teacher term in float64 numpy: the log-magnitude squared error of the student's estimate
+    against the teacher's, over the bins compared, per bin compared."""
+    cfg = student.config
+    xs = features.stft(noisy, cfg.stft).abs()
+    with torch.no_grad():
+        gs, _ = student(torch.log(xs + cfg.log_eps), pad_end=False)
+        gt, _ = teacher(torch.log(xs + cfg.log_eps), pad_end=False)
+    t = gs.shape[1]
+    x = xs[:, :t].double().numpy()
+    freqs = np.arange(cfg.n_freqs) * cfg.stft.sample_rate / cfg.stft.n_fft
+    w = np.broadcast_to((freqs[None, :] <= bandwidth.numpy()[:, None] + 1e-3)[:, None, :], x.shape).astype(float)
+    err = (np.log(gs.double().numpy() * x + floor) - np.log(gt.double().numpy() * x + floor)) ** 2
+    return (err * w).sum() / w.sum()
+
+
+def test_teacher_term_is_the_log_magnitude_error_against_the_teacher(tiny_model, batch):
+    noisy, clean, bw = batch
+    student = teacher_of(tiny_model, 4)  # the same weights, a quarter of the window
+    ref = teacher_reference(student, tiny_model, noisy, bw, 1e-2)
+    assert ref > 0  # the shorter window changes the estimate
+    with torch.no_grad():
+        plain = float(batch_loss(student, student, noisy, clean, bw, nullcontext, 1e-2, compressed_weight=5.0))
+        config = LossConfig(loss_floor=1e-2, compressed_weight=5.0, teacher_weight=3.0)
+        got = float(config(student, student, noisy, clean, bw, nullcontext, tiny_model))
+        itself = float(config(tiny_model, tiny_model, noisy, clean, bw, nullcontext, tiny_model))
+        itself_plain = float(batch_loss(tiny_model, tiny_model, noisy, clean, bw, nullcontext, 1e-2, compressed_weight=5.0))
+    assert got - plain == pytest.approx(3.0 * ref, rel=1e-3)
+    assert itself == pytest.approx(itself_plain, rel=1e-6)  # a model is its own teacher: the term is 0
+    with pytest.raises(ValueError, match="needs a teacher"):
+        config(student, student, noisy, clean, bw, nullcontext)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="teacher_weight"):
+            LossConfig(teacher_weight=bad)
+
+
+def test_teacher_term_trains_the_student_only(tiny_model, batch):
+    noisy, clean, bw = batch
+    student, teacher = teacher_of(tiny_model, 4).train(), teacher_of(tiny_model, 16)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    loss = LossConfig(loss_floor=1e-2, teacher_weight=10.0)(student, student, noisy, clean, bw, nullcontext, teacher)
+    loss.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+    grads = [p.grad for p in student.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads)
+
+
+def test_load_teacher_checks_the_framing_and_the_weight(tiny_model, tmp_path):
+    from dataclasses import replace
+    from pathlib import Path
+
+    from enhancer import build_model, save_checkpoint
+    from training.options import FitOptions
+    from training.prepare import load_teacher
+
+    cfg = tiny_model.config
+    path = save_checkpoint(tiny_model, cfg, tmp_path / "teacher.pt")
+    student_cfg = replace(cfg, attention_window=4)
+    opts = FitOptions(out=Path(tmp_path / "run"), teacher=str(path), teacher_weight=2.0)
+    teacher = load_teacher(opts, student_cfg, torch.device("cpu"), lambda *_: None)
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    assert teacher.config.attention_window == cfg.attention_window
+    other = build_model(replace(cfg, lookahead=cfg.lookahead + 1))
+    other_path = save_checkpoint(other, other.config, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="lookahead"):
+        load_teacher(FitOptions(out=Path(tmp_path), teacher=str(other_path), teacher_weight=1.0), student_cfg,
+                     torch.device("cpu"), lambda *_: None)
+    with pytest.raises(ValueError, match="--teacher-weight needs --teacher"):
+        load_teacher(FitOptions(out=Path(tmp_path), teacher_weight=1.0), student_cfg, torch.device("cpu"), print)
+    with pytest.raises(ValueError, match="give it a weight"):
+        load_teacher(FitOptions(out=Path(tmp_path), teacher=str(path)), student_cfg, torch.device("cpu"), print)
+    assert load_teacher(FitOptions(out=Path(tmp_path)), student_cfg, torch.device("cpu"), print) is None
 
 
 def test_compressed_term_has_finite_gradients_at_silent_bins(tiny_model, batch):

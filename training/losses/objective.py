@@ -41,16 +41,18 @@ class LossSums:
     pesq: torch.Tensor | None = None  # sum over examples of the P.862 disturbance (training.losses.perceptual)
     residual_err: torch.Tensor | None = None  # sum of w * (|estimate|^p - |clean|^p)^2 over noise left in
     # noise-dominated bins (`loss_sums`)
+    teacher_err: torch.Tensor | None = None  # sum of w * (log-magnitude estimate - the teacher's)^2
     examples: int = 0
 
     def loss(self, compressed_weight: float = 0.0, sisdr_weight: float = 0.0, mrstft_weight: float = 0.0,
-             pesq_weight: float = 0.0, residual_weight: float = 0.0) -> torch.Tensor:
+             pesq_weight: float = 0.0, residual_weight: float = 0.0, teacher_weight: float = 0.0) -> torch.Tensor:
         """The weighted MSE of the log-magnitude, plus `compressed_weight` times that of the
         compressed magnitudes, `sisdr_weight` times the mean -SI-SDR (dB) and `mrstft_weight` times
         the mean multi-resolution STFT loss of the resynthesised waveform, and `pesq_weight` times the
         mean P.862 disturbance of the estimated magnitudes (4.5 minus PESQ's raw score), and
         `residual_weight` times the compressed magnitudes' squared error of the noise left in
-        noise-dominated bins, per bin compared."""
+        noise-dominated bins, per bin compared, and `teacher_weight` times the log-magnitude MSE
+        against a teacher model's estimate."""
         w = self.weight.clamp_min(1.0)
         loss = self.log_err / w
         if compressed_weight > 0.0:
@@ -63,13 +65,16 @@ class LossSums:
             loss = loss + pesq_weight * (self.pesq / max(self.examples, 1))
         if residual_weight > 0.0:
             loss = loss + residual_weight * (self.residual_err / w)
+        if teacher_weight > 0.0:
+            loss = loss + teacher_weight * (self.teacher_err / w)
         return loss
 
 
 def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
               loss_floor: float | None = None, compressed_power: float | None = None,
               waveform: tuple[bool, bool] = (False, False), overestimate_weight: float = 1.0,
-              pesq: bool = False, pesq_compensate: bool = False, residual: bool = False) -> LossSums:
+              pesq: bool = False, pesq_compensate: bool = False, residual: bool = False,
+              teacher=None) -> LossSums:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
     compressed term only with a `compressed_power`, the waveform terms (SI-SDR, multi-resolution
     STFT) only where `waveform` asks for them, the P.862 disturbance only with `pesq`. `net` may be a
@@ -82,7 +87,11 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     With `residual` (and a `compressed_power`), `residual_err` sums the compressed magnitudes' squared
     error over the bins where the noise is louder than the speech (|X - S| > |S|) and the estimate
     exceeds the clean magnitude: the noise left under and between the words, which the log-magnitude
-    term weighs no more than a bin of speech removed."""
+    term weighs no more than a bin of speech removed.
+
+    With a `teacher` (a trained model with the same framing, in eval mode), `teacher_err` sums the
+    squared difference of the log-magnitude estimates (the same floor) against the teacher's on the
+    same input: a target the student can reach, e.g. one with a shorter attention window."""
     cfg = core.config
     noisy_spec, clean_spec = features.stft(noisy, cfg.stft), features.stft(clean, cfg.stft)  # (B, T, F)
     noisy_mag, clean_mag = noisy_spec.abs(), clean_spec.abs()
@@ -102,6 +111,11 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
             noise_mag = (noisy_spec[:, :t] - clean_spec[:, :t]).abs()
             w_res = w * ((noise_mag > clean_mag) & (est_mag > clean_mag))
             sums.residual_err = weighted_sq_err(est_c, clean_c, w_res)
+    if teacher is not None:
+        with torch.no_grad(), autocast():
+            t_gains, _ = teacher(torch.log(noisy_mag + cfg.log_eps), pad_end=False)
+        t_mag = t_gains.float()[:, :t] * noisy_mag[:, :t]
+        sums.teacher_err = weighted_sq_err(torch.log(est_mag + floor), torch.log(t_mag + floor), w)
     if pesq:
         sums.pesq = pesq_model(cfg.stft, est_mag.device, pesq_compensate).loss(est_mag * w, clean_mag * w).sum()
     if any(waveform):
@@ -158,7 +172,9 @@ class LossConfig:
     wideband PESQ's disturbance (`training.losses.perceptual`), on the estimated magnitudes; with
     `pesq_compensate` P.862's own level, frequency-response and gain compensations (ablation only).
     `residual_weight` adds that times the compressed magnitudes' squared error of the noise left in
-    the noise-dominated bins (`loss_sums`), on top of the terms above."""
+    the noise-dominated bins (`loss_sums`), on top of the terms above. `teacher_weight` adds that
+    times the log-magnitude MSE against a teacher model's estimate on the same input (`--teacher`),
+    which the caller passes to `__call__`."""
 
     loss_floor: float | None = None
     compressed_weight: float = 0.0
@@ -169,6 +185,7 @@ class LossConfig:
     pesq_weight: float = 0.0
     pesq_compensate: bool = False
     residual_weight: float = 0.0
+    teacher_weight: float = 0.0
 
     def __post_init__(self):
         if not self.overestimate_weight > 0.0:
@@ -177,17 +194,23 @@ class LossConfig:
             raise ValueError(f"pesq_weight (--pesq-weight) must be >= 0, got {self.pesq_weight!r}")
         if not self.residual_weight >= 0.0:
             raise ValueError(f"residual_weight (--residual-weight) must be >= 0, got {self.residual_weight!r}")
+        if not self.teacher_weight >= 0.0:
+            raise ValueError(f"teacher_weight (--teacher-weight) must be >= 0, got {self.teacher_weight!r}")
 
     def __call__(self, net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor,
-                 autocast) -> torch.Tensor:
-        """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of `core`."""
+                 autocast, teacher=None) -> torch.Tensor:
+        """noisy, clean (B, N) waveforms, bandwidth (B,) -> scalar loss. `net` may be a DDP wrapper of
+        `core`; `teacher` is the model of the `teacher_weight` term."""
+        if self.teacher_weight > 0.0 and teacher is None:
+            raise ValueError("teacher_weight (--teacher-weight) needs a teacher model (--teacher)")
         residual = self.residual_weight > 0.0
         sums = loss_sums(net, core, noisy, clean, bandwidth, autocast, self.loss_floor,
                          self.compressed_power if self.compressed_weight > 0.0 or residual else None,
                          (self.sisdr_weight > 0.0, self.mrstft_weight > 0.0), self.overestimate_weight,
-                         self.pesq_weight > 0.0, self.pesq_compensate, residual)
+                         self.pesq_weight > 0.0, self.pesq_compensate, residual,
+                         teacher if self.teacher_weight > 0.0 else None)
         return sums.loss(self.compressed_weight, self.sisdr_weight, self.mrstft_weight, self.pesq_weight,
-                         self.residual_weight)
+                         self.residual_weight, self.teacher_weight)
 
 
 def batch_loss(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: torch.Tensor, autocast,
