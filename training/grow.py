@@ -1,13 +1,21 @@
-"""`enhancer-train grow`: a wider model that computes exactly what a trained one computes.
+"""`enhancer-train grow`: a wider model that computes exactly what a trained one computes, or the
+same weights with another attention window.
 
     enhancer-train grow models/tim.pt --d-ffn 1024 -o runs/wide-init.pt
     enhancer-train fit --init runs/wide-init.pt ...   # fine-tune the wider model
+    enhancer-train grow models/tim.pt --attention-window 64 -o runs/w64-init.pt
+    enhancer-train fit --init runs/w64-init.pt --teacher models/tim.pt --teacher-weight 20 ...
 
 Each block's feed-forward layer gets more hidden units. The trained units are copied; the new ones
 take random input weights (the initialisation of a fresh model) and zero output weights and biases,
 so the grown model's output equals the trained one's (to float rounding) and training starts from
 its quality rather than from scratch (Net2Net, Chen et al. 2016, with a zero-output variant of its
 widening). With n mechanisms, each mechanism's feed-forward layer grows by the same share.
+
+`--attention-window` keeps every tensor and changes only how many past frames each frame attends to
+(the mask in training, the key/value rings of the live step): a shorter window makes a cheaper live
+step, whose output differs from the trained model's until it is fine-tuned (e.g. with the trained
+model as `fit --teacher`).
 """
 from __future__ import annotations
 
@@ -19,19 +27,24 @@ from enhancer import load_checkpoint, save_checkpoint
 from .data.manifests import DataError
 
 
-def grow_checkpoint(path, out, d_ffn: int, seed: int = 0) -> Path:
-    """Write to `out` the checkpoint of `path` with feed-forward width `d_ffn` (>= the current one)."""
+def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attention_window: int | None = None) -> Path:
+    """Write to `out` the checkpoint of `path` with feed-forward width `d_ffn` (>= the current one;
+    None: the same) and attention window `attention_window` (None: the same)."""
     import torch
 
     from enhancer.model import build_model
 
     old = load_checkpoint(path)
     cfg = old.config
+    d_ffn = cfg.d_ffn if d_ffn is None else d_ffn
+    window = cfg.attention_window if attention_window is None else attention_window
+    if window < 1:
+        raise DataError(f"--attention-window {window}: must be at least 1 frame")
     if d_ffn < cfg.d_ffn:
         raise DataError(f"--d-ffn {d_ffn}: grow only widens (the checkpoint has {cfg.d_ffn})")
     if d_ffn % cfg.n_mechanisms:
         raise DataError(f"--d-ffn {d_ffn}: must be a multiple of the {cfg.n_mechanisms} mechanisms")
-    new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn)
+    new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window)
     with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state
         torch.manual_seed(seed)
         new = build_model(new_cfg)
@@ -49,20 +62,26 @@ def grow_checkpoint(path, out, d_ffn: int, seed: int = 0) -> Path:
         grown[idx] = s
         state[k] = grown
     new.load_state_dict(state)
-    return save_checkpoint(new, new_cfg, out, grown_from={"path": str(path), "d_ffn": cfg.d_ffn, "seed": seed})
+    return save_checkpoint(new, new_cfg, out, grown_from={"path": str(path), "d_ffn": cfg.d_ffn, "seed": seed,
+                                                           "attention_window": cfg.attention_window})
 
 
 def add_grow(sub) -> None:
-    p = sub.add_parser("grow", help="widen a trained model's feed-forward layers without changing its output",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser("grow", help="widen a trained model's feed-forward layers without changing its output, "
+                       "or change its attention window", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", metavar="CKPT", help="the trained model (.pt)")
-    p.add_argument("--d-ffn", type=int, required=True, help="the new feed-forward width (all blocks)")
+    p.add_argument("--d-ffn", type=int, help="the new feed-forward width (all blocks)")
+    p.add_argument("--attention-window", type=int, metavar="FRAMES",
+                   help="frames each frame attends to (itself and FRAMES-1 past ones); the weights are kept")
     p.add_argument("--seed", type=int, default=0, help="seed of the new units' input weights")
     p.add_argument("-o", "--out", required=True, help="the grown checkpoint (.pt)")
 
     def run(args) -> int:
-        out = grow_checkpoint(args.checkpoint, args.out, args.d_ffn, seed=args.seed)
-        print(f"grew {args.checkpoint} to d_ffn {args.d_ffn}: {out}")
+        if args.d_ffn is None and args.attention_window is None:
+            p.error("give --d-ffn, --attention-window or both")
+        out = grow_checkpoint(args.checkpoint, args.out, args.d_ffn, seed=args.seed, attention_window=args.attention_window)
+        cfg = load_checkpoint(out).config
+        print(f"grew {args.checkpoint} to d_ffn {cfg.d_ffn}, attention window {cfg.attention_window}: {out}")
         return 0
 
     p.set_defaults(func=run)

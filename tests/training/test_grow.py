@@ -51,3 +51,26 @@ def test_cli(tmp_path, capsys):
     assert main(["grow", str(path), "--d-ffn", str(2 * tiny_config().d_ffn), "-o", str(tmp_path / "w.pt")]) == 0
     assert "grew" in capsys.readouterr().out
     assert load_checkpoint(tmp_path / "w.pt").checkpoint["extra"]["grown_from"]["d_ffn"] == tiny_config().d_ffn
+
+
+def test_attention_window_keeps_every_tensor_and_changes_only_the_context(tmp_path):
+    cfg = tiny_config()
+    path, _ = checkpoint(tmp_path, "a.pt", 3, cfg=cfg)
+    trained = load_checkpoint(path)
+    assert main(["grow", str(path), "--attention-window", "4", "-o", str(tmp_path / "w4.pt")]) == 0
+    short = load_checkpoint(tmp_path / "w4.pt")
+    assert short.config.attention_window == 4 and short.config.d_ffn == cfg.d_ffn
+    assert short.checkpoint["extra"]["grown_from"]["attention_window"] == cfg.attention_window
+    s, w = trained.state_dict(), short.state_dict()
+    assert s.keys() == w.keys() and all(torch.equal(s[k], w[k]) for k in s)
+    logmag = torch.randn(1, 40, cfg.n_freqs, generator=torch.Generator().manual_seed(2)) - 4.0
+    with torch.no_grad():
+        (a, _), (b, _) = trained(logmag), short(logmag)
+    first = 4 - cfg.lookahead  # output frames whose steps see no more than 4 frames either way
+    torch.testing.assert_close(b[:, :first], a[:, :first], rtol=0, atol=1e-6)
+    assert float((a - b)[:, first:].abs().max()) > 1e-3  # later frames lose context (gains in [0, 1])
+    with pytest.raises(DataError, match="at least 1"):
+        grow_checkpoint(path, tmp_path / "x.pt", attention_window=0)
+    with pytest.raises(SystemExit):
+        main(["grow", str(path), "-o", str(tmp_path / "x.pt")])
+    assert not (tmp_path / "x.pt").exists()
