@@ -80,8 +80,9 @@ def add_grow(sub) -> None:
         if args.d_ffn is None and args.attention_window is None:
             p.error("give --d-ffn, --attention-window or both")
         out = grow_checkpoint(args.checkpoint, args.out, args.d_ffn, seed=args.seed, attention_window=args.attention_window)
-        cfg = load_checkpoint(out).config
-        print(f"grew {args.checkpoint} to d_ffn {cfg.d_ffn}, attention window {cfg.attention_window}: {out}")
+        changes = [f"{name} {value}" for name, value in (("d_ffn", args.d_ffn), ("attention window", args.attention_window))
+                   if value is not None]
+        print(f"grew {args.checkpoint} to {', '.join(changes)}: {out}")
         return 0
 
     p.set_defaults(func=run)

@@ -156,13 +156,13 @@ class Trainer:
         st = choose_settings(o, d, resume)
         self.mix, self.batch_size, self.seed, self.dropout, self.threads, self.precision = (
             st.mix, st.batch_size, st.seed, st.dropout, st.threads, st.precision)
+        self.teacher = load_teacher(o, self.cfg, d.device, self.log)  # checked before the data loads
         run_data = load_data(o, self.data, d, self.mix, self.seed, self.batch_size, self.examples, self.log)
         self.cache_root, self.valid, self.synth, self.feeder = (run_data.cache_root, run_data.valid, run_data.synth,
                                                                 run_data.feeder)
         m = prepare_model(o, d, self.cfg, resume, init_model, self.synth, self.mix, self.seed, self.dropout,
                           self.precision, self.log)
         self.core, self.net, self.opt, self.scaler = m.core, m.net, m.opt, m.scaler
-        self.teacher = load_teacher(o, self.cfg, d.device, self.log)
         if resume is not None:
             p = restore_progress(resume, self.opt, d, self.log)
             self.step, self.examples, self.hours, self.lr, self.best, self.bad, self.best_dev = p

@@ -124,7 +124,7 @@ def load_teacher(o: FitOptions, cfg: ModelConfig, device, log):
         raise ValueError("--teacher is used by the --teacher-weight term: give it a weight > 0")
     teacher = load_checkpoint(o.teacher)
     t = teacher.config
-    differ = [name for name in ("stft", "lookahead", "log_eps", "n_freqs") if getattr(t, name) != getattr(cfg, name)]
+    differ = [name for name in ("stft", "lookahead", "log_eps") if getattr(t, name) != getattr(cfg, name)]
     if differ:
         raise ValueError(f"--teacher {o.teacher}: frames the audio differently from the model trained "
                          f"(differs in {', '.join(differ)})")
