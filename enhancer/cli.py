@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from .devices import DEVICES, check_device, providers_for
-from .errors import EnhancerError
+from .errors import AudioError, EnhancerError
 from .version import __version__
 
 TRAIN_MODULES = ("torch", "onnx", "onnx_ir", "scipy", "pesq", "pystoi", "matplotlib")  # the [train] extra
@@ -116,20 +116,64 @@ def cmd_export(a) -> int:
             return 2
     if a.fp16:
         round_to_fp16(model)
-    report = export_step(model, a.output, check=not a.no_check, verbose=not a.quiet, fp16_weights=a.fp16,
-                         int8_weights=a.int8)
+    signals = None
+    if a.int8_rings:
+        if not a.calibrate:
+            print("error: --int8-rings needs --calibrate AUDIO (files or folders of speech in noise, as the model "
+                  "will hear it; a few minutes are plenty)", file=sys.stderr)
+            return 2
+        try:
+            signals = _calibration_signals(a.calibrate)
+        except (OSError, ValueError) as e:
+            print(f"error: --calibrate: {e}", file=sys.stderr)
+            return 2
+    elif a.calibrate:
+        print("error: --calibrate applies to --int8-rings", file=sys.stderr)
+        return 2
+    try:
+        report = export_step(model, a.output, check=not a.no_check, verbose=not a.quiet, fp16_weights=a.fp16,
+                             int8_weights=a.int8, ring_calibration=signals)
+    except ValueError as e:
+        if signals is None:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.save_checkpoint:  # weights only (no training state), e.g. the shipped models/tim.pt
         report["checkpoint"] = str(save_checkpoint(model, model.config, a.save_checkpoint, half=a.fp16))
     print(json.dumps(report, indent=2))
-    if a.int8 and "parity_snr_db" in report and report["parity_snr_db"] < MIN_PARITY_SNR_DB:
-        print(f"error: the int8 graph's output is only {report['parity_snr_db']:.1f} dB above its difference from "
+    if (a.int8 or a.int8_rings) and "parity_snr_db" in report and report["parity_snr_db"] < MIN_PARITY_SNR_DB:
+        print(f"error: the 8-bit graph's output is only {report['parity_snr_db']:.1f} dB above its difference from "
               f"torch (needs {MIN_PARITY_SNR_DB:g} dB)", file=sys.stderr)
         return 1
-    if not a.int8 and "max_rel_diff" in report and not report["max_rel_diff"] <= MAX_REL_DIFF:
+    if not (a.int8 or a.int8_rings) and "max_rel_diff" in report and not report["max_rel_diff"] <= MAX_REL_DIFF:
         print(f"error: onnxruntime differs from torch by {report['max_abs_diff']:.3g}, "
               f"{report['max_rel_diff']:.3g} of the output's peak (allowed: {MAX_REL_DIFF:g})", file=sys.stderr)
         return 1
     return 0
+
+
+def _calibration_signals(paths: list[str]):
+    """The audio under `paths` (files or folders) as 16 kHz mono float32 arrays, read lazily."""
+    from .audio_io import find_audio
+    from .config import SAMPLE_RATE
+    from .signal import check_audio, resample
+
+    files = [f for f, _ in find_audio([Path(p) for p in paths])]
+    if not files:
+        raise ValueError(f"no audio files in {' '.join(paths)}")
+
+    def signals():
+        import soundfile as sf
+
+        for f in files:
+            try:
+                x, sr = sf.read(str(f), dtype="float32", always_2d=True)
+                x = check_audio(x.mean(axis=1), str(f))
+            except (RuntimeError, AudioError) as e:  # soundfile's errors are RuntimeErrors
+                raise ValueError(f"{f}: cannot read it as audio ({e})") from None
+            yield x if sr == SAMPLE_RATE else resample(x, sr, SAMPLE_RATE)
+
+    return signals()
 
 
 def cmd_info(a) -> int:
@@ -150,7 +194,7 @@ def cmd_info(a) -> int:
     else:
         enh = _enhancer(a.model)
         cfg, params, extra = enh.config, enh.engine.parameters, {"provider": enh.provider, "file": str(enh.engine.path),
-                                                       "weights": enh.engine.weights}
+                                                       "weights": enh.engine.weights, "rings": enh.engine.ring_format}
         exported_with = enh.engine.metadata.get("version")
     info = {
         "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
@@ -169,7 +213,8 @@ def info_summary(info: dict, cfg, exported_with: str | None = None) -> str:
     st = cfg.stft
     ms = 1000.0 / st.sample_rate
     rows = [("model", f"{info['preset']}, {info['parameters'] / 1e6:.2f} M parameters"
-                      + (f", {info['weights']} weights" if info.get("weights") else "")),
+                      + (f", {info['weights']} weights" if info.get("weights") else "")
+                      + (f", {info['rings']} key/value rings" if info.get("rings") else "")),
             ("file", info.get("file")),
             ("sample rate", f"{st.sample_rate} Hz (other rates are resampled)"),
             ("latency", f"{info['algorithmic_latency_ms']:g} ms algorithmic (window {st.n_fft * ms:g} ms + lookahead "
@@ -266,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--int8", action="store_true",
                    help="dense weights as 8-bit blocks (onnxruntime MatMulNBits): faster steps at small batches, "
                         "not bit-exact (checked: output >= 30 dB above its difference from torch)")
+    e.add_argument("--int8-rings", action="store_true",
+                   help="key/value rings as int8 (a quarter of the memory per stream; the live step's ring products "
+                        "in 8-bit arithmetic), scaled per layer and head on --calibrate; not bit-exact (checked "
+                        "like --int8)")
+    e.add_argument("--calibrate", nargs="+", default=None, metavar="AUDIO",
+                   help="with --int8-rings: audio files or folders to calibrate the ring scales on (noisy speech)")
     e.add_argument("--gain-exponent", type=float, default=None, metavar="E",
                    help="raise the network's gains to this power in the exported graph (0.5..4; > 1 removes more of "
                         "the noise left under speech); default: the checkpoint's")

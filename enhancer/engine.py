@@ -14,7 +14,16 @@ import numpy as np
 from .config import ModelConfig
 from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
-from .step_io import STEP_FORMAT, StepOutputs, init_rings, init_states, input_names, output_names, write_rings
+from .step_io import (
+    STEP_FORMAT,
+    StepOutputs,
+    init_rings,
+    init_states,
+    input_names,
+    output_names,
+    ring_views,
+    write_rings,
+)
 
 
 def min_gain_for(atten_lim_db: float | None) -> float:
@@ -75,6 +84,9 @@ class Engine:
         if got_in != input_names(self.config) or sorted(got_out) != sorted(output_names(self.config)):
             raise CheckpointError(f"{path}: graph inputs/outputs do not match its config {self.config.name!r}")
         self.input_names, self.output_names = got_in, got_out
+        self.ring_format = self.metadata.get("rings", "float32")
+        if self.ring_format not in ("float32", "int8"):
+            raise CheckpointError(f"{path}: key/value rings stored as {self.ring_format!r}; this runtime reads float32 or int8")
 
     @property
     def provider(self) -> str:
@@ -89,6 +101,11 @@ class Engine:
     def weights(self) -> str:
         """How the weights are stored: fp32, fp16 (computed in float32) or int8 (8-bit dense layers)."""
         return self.metadata.get("weights", "fp32 or fp16")
+
+    @property
+    def int8_rings(self) -> bool:
+        """The key/value rings are int8, key rings transposed (`enhancer.ringquant`)."""
+        return self.ring_format == "int8"
 
     def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> StepOutputs:
         """One graph call: hops (B, T, hop) for B streams whose first frame is at `pos` (B,); its
@@ -107,9 +124,9 @@ class LanePool:
         # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
         # are written with one assignment; each ring, and each lane range of it, is a contiguous view
         # (np.zeros: pages of lanes never used are never touched, so they cost no memory)
-        self.rings = init_rings(cfg, capacity)
+        self.rings = init_rings(cfg, capacity, np.int8 if engine.int8_rings else np.float32)
         self.n_state = len(states)
-        self.caches = states + list(self.rings)
+        self.caches = states + ring_views(self.rings, engine.int8_rings)
         self.pos = np.zeros(capacity, dtype=np.int64)
         self.free_lanes = list(range(capacity))
         self.lock = threading.Lock()
@@ -134,7 +151,7 @@ class LanePool:
 
     def reset(self, lanes: np.ndarray) -> None:
         for c in self.caches:
-            c[lanes] = 0.0
+            c[lanes] = 0
         self.pos[lanes] = 0
 
     def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
@@ -161,7 +178,7 @@ class LanePool:
         views = [c[lo:hi] for c in self.caches]  # contiguous views, no copies
         pos = self.pos[lo:hi]
         o = eng.run(h, g, pos.copy(), views)
-        write_rings(self.rings, o.kv_rows[sel], pos[sel], eng.config.attention_window, lanes)
+        write_rings(self.rings, o.kv_rows[sel], pos[sel], eng.config.attention_window, lanes, eng.int8_rings)
         for view, new in zip(views[:self.n_state], o.states):
             view[sel] = new[sel]
         pos[sel] += hops.shape[1]

@@ -23,7 +23,7 @@ MAX_REL_DIFF = 1e-4
 
 
 def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: int = 0, verbose: bool = False,
-                fp16_weights: bool = False, int8_weights: bool = False) -> dict:
+                fp16_weights: bool = False, int8_weights: bool = False, ring_calibration=None) -> dict:
     """Write `model`'s step graph to `path`. Returns a report with the max abs difference between
     onnxruntime and torch over `n_check_steps` frames of random audio (default: 3 x window + 8), run
     in calls of 1 to W + 5 frames (`check_chunks`) with the lanes at different positions, that
@@ -37,7 +37,12 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
 
     `fp16_weights` stores the large weight tensors as float16 (half the file size); onnxruntime
     casts them back to float32 once when it loads the graph, so the speed is unchanged. The weights
-    must already be float16 values (`round_to_fp16(model)`), so that the file is exact."""
+    must already be float16 values (`round_to_fp16(model)`), so that the file is exact.
+
+    `ring_calibration` (16 kHz mono float32 signals) stores the key/value rings as int8, with
+    per-(ring, head) scales calibrated on those signals (`enhancer.ringquant`): a quarter of the
+    bytes per stream and the live step's ring products in 8-bit arithmetic; not bit-exact either,
+    so the check reports `parity_snr_db`."""
     import onnx
 
     from .graph_switch import join_live_branch
@@ -76,9 +81,10 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
         "outputs": json.dumps(names_out),
         "weights": weights,
     }
-    for k, v in meta.items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = META_PREFIX + k, v
+    _set_metadata(proto, meta)
+    if ring_calibration is not None:
+        proto, meta["rings"] = _int8_rings(proto, ring_calibration, path, _say), "int8"
+        _set_metadata(proto, meta)
     if fp16_weights:
         _say("storing the weights as float16")
         _store_fp16(proto)
@@ -97,7 +103,39 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
         _say(f"onnxruntime vs torch over {n} frames: max abs diff {report['max_abs_diff']:.3g} "
              f"({report['max_rel_diff']:.3g} of the output's peak), output / difference {report['parity_snr_db']:.1f} dB")
     report["weights"] = weights
+    report["rings"] = meta.get("rings", "float32")
     return report
+
+
+def _set_metadata(proto, meta: dict) -> None:
+    keys = {META_PREFIX + k for k in meta}
+    kept = [e for e in proto.metadata_props if e.key not in keys]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    for k, v in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = META_PREFIX + k, v
+
+
+def _int8_rings(proto, signals, path: Path, say):
+    """`proto` (joined, float rings, metadata set) with int8 rings calibrated on `signals`."""
+    import tempfile
+
+    import onnx
+
+    from .engine import Engine
+    from .ringquant import HEADROOM, calibrate_rings, quantize_rings, ring_scales
+
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        f = Path(tmp) / "float_rings.onnx"
+        onnx.save(proto, str(f))
+        say("calibrating the 8-bit key/value rings")
+        amax, seconds = calibrate_rings(Engine(f), signals)
+    say(f"calibrated on {seconds:.1f} s of audio: largest key/value magnitude {amax.max():.3g}, "
+        f"scales = {HEADROOM:g} x that per ring and head / 127")
+    q = quantize_rings(proto, ring_scales(amax))
+    _set_metadata(q, {"ring_calibration_seconds": f"{seconds:.1f}"})
+    return q
 
 
 def _trace(step, batch: int, frames: int | None):
@@ -176,16 +214,17 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0, stag
     import torch
     from tqdm import tqdm
 
-    from .step_io import StepOutputs, init_rings, init_states, write_rings
+    from .step_io import StepOutputs, init_rings, init_states, ring_views, write_rings
 
     cfg = step.config
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     onnx_out = [o.name for o in sess.get_outputs()]
+    int8 = next(i for i in sess.get_inputs() if i.name == "k0").type == "tensor(int8)"  # enhancer.ringquant
     rng = np.random.default_rng(seed)
     stagger = cfg.attention_window // 3 + 1 if stagger is None else stagger
     start = np.arange(batch) * stagger  # the step at which each lane (re)starts
-    np_states, np_rings = init_states(cfg, batch), init_rings(cfg, batch)
-    t_states, t_rings = [torch.from_numpy(c.copy()) for c in np_states], torch.from_numpy(np_rings.copy())
+    np_states, np_rings = init_states(cfg, batch), init_rings(cfg, batch, np.int8 if int8 else np.float32)
+    t_states, t_rings = [torch.from_numpy(c.copy()) for c in np_states], torch.from_numpy(init_rings(cfg, batch))
     pos = np.zeros(batch, dtype=np.int64)
     min_gain = np.linspace(0.0, 0.3, batch).astype(np.float32)
     names = [i.name for i in sess.get_inputs()]
@@ -201,13 +240,13 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0, stag
                 for a, b in zip(np_states, t_states):
                     a[joining] = 0.0
                     b[lanes] = 0.0
-                np_rings[:, joining] = 0.0
+                np_rings[:, joining] = 0
                 t_rings[:, lanes] = 0.0
                 pos[joining] = 0
                 joined |= joining
             hops = (rng.standard_normal((batch, t, cfg.stft.hop)) * 0.1).astype(np.float32)
-            o = StepOutputs.decode(cfg, sess.run(None, dict(zip(names, [hops, min_gain, pos, *np_states, *np_rings]))),
-                                   onnx_out)
+            o = StepOutputs.decode(cfg, sess.run(None, dict(zip(names, [hops, min_gain, pos, *np_states,
+                                                                         *ring_views(np_rings, int8)]))), onnx_out)
             r = StepOutputs.decode(cfg, step(torch.from_numpy(hops), torch.from_numpy(min_gain), torch.from_numpy(pos),
                                              *t_states, *t_rings))
             ref = r.out.numpy().astype(np.float64)
@@ -215,7 +254,7 @@ def compare_with_torch(step, path, batch: int, n_steps: int, seed: int = 0, stag
             d = o.out - ref
             worst, peak = max(worst, float(np.abs(d).max())), max(peak, float(np.abs(ref).max()))
             energy, diff = energy + float((ref ** 2).sum()), diff + float((d ** 2).sum())
-            write_rings(np_rings, o.kv_rows, pos, cfg.attention_window)
+            write_rings(np_rings, o.kv_rows, pos, cfg.attention_window, keys_transposed=int8)
             write_rings(t_rings, r.kv_rows, torch.from_numpy(pos), cfg.attention_window)
             np_states, t_states = o.states, list(r.states)
             pos = pos + t

@@ -62,12 +62,23 @@ def init_states(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
     return [np.zeros((batch,) + shape, dtype=np.float32) for _, shape in state_specs(cfg)]
 
 
-def init_rings(cfg: ModelConfig, batch: int = 1) -> np.ndarray:
+def init_rings(cfg: ModelConfig, batch: int = 1, dtype=np.float32) -> np.ndarray:
     """Zeroed key/value rings for `batch` streams as one array (2N, B, H, W, dh): ring j is
     `rings[j]` (a contiguous view, graph input order), and one call's new rows are written with one
-    assignment (`write_rings`). np.zeros: pages of lanes never used are never touched."""
+    assignment (`write_rings`). np.zeros: pages of lanes never used are never touched. int8 rings
+    (`enhancer.ringquant`) hold each key ring transposed in the same memory (`ring_views`)."""
     specs = ring_specs(cfg)
-    return np.zeros((len(specs), batch) + specs[0][1], dtype=np.float32)
+    return np.zeros((len(specs), batch) + specs[0][1], dtype=dtype)
+
+
+def ring_views(rings, keys_transposed: bool = False) -> list:
+    """The graph inputs k0..kN-1, v0..vN-1 as views of `rings` (2N, B, H, W, dh); with
+    `keys_transposed` (int8 rings) each key ring is seen as (B, H, dh, W)."""
+    n = rings.shape[0] // 2
+    if not keys_transposed:
+        return list(rings)
+    _, b, h, w, dh = rings.shape
+    return [rings[j].reshape(b, h, dh, w) for j in range(n)] + list(rings[n:])
 
 
 def init_caches(cfg: ModelConfig, batch: int = 1) -> list[np.ndarray]:
@@ -97,14 +108,14 @@ class StepOutputs:
                    kv_rows=named["kv_rows"], states=[named[n + NEXT] for n, _ in state_specs(cfg)])
 
 
-def write_rings(rings, kv_rows, pos, window: int, lanes=None) -> None:
+def write_rings(rings, kv_rows, pos, window: int, lanes=None, keys_transposed: bool = False) -> None:
     """Write the new key/value rows of one call (T frames) into slots (pos + t) % W, in place.
 
     rings: one array (2N, B, H, W, dh) holding k0..kN-1, v0..vN-1 (`init_rings`), numpy or torch,
     written with one assignment. kv_rows (k, H, 2N * T, dh) as the graph returns it ((k, H, 2N, T,
     dh) flattened: the rings' rows in the same order) and pos (k,) (the first frame's index) for the
     k streams at `lanes` of the rings (default: all B, in order). Of more than W frames only the
-    last W are kept."""
+    last W are kept. `keys_transposed`: the key rings are stored as (B, H, dh, W) (`ring_views`)."""
     k, h, _, dh = kv_rows.shape
     kv_rows = kv_rows.reshape(k, h, rings.shape[0], -1, dh)  # (k, H, 2N, T, dh)
     t = kv_rows.shape[3]
@@ -121,4 +132,10 @@ def write_rings(rings, kv_rows, pos, window: int, lanes=None) -> None:
         lanes = torch.arange(pos.shape[0]) if lanes is None else torch.as_tensor(lanes)
         rows = kv_rows.permute(0, 3, 2, 1, 4)
     slots = (pos[:, None] + offsets[None, :]) % window  # (k, T)
-    rings[:, lanes[:, None], :, slots] = rows  # indexed as (k, T, 2N, H, dh)
+    if not keys_transposed:
+        rings[:, lanes[:, None], :, slots] = rows  # indexed as (k, T, 2N, H, dh)
+        return
+    n, (_, b, h, w, dh) = rings.shape[0] // 2, rings.shape
+    keys = rings[:n].reshape(n, b, h, dh, w)  # a view
+    keys[:, lanes[:, None], :, :, slots] = rows[:, :, :n]  # indexed as (k, T, N, H, dh)
+    rings[n:, lanes[:, None], :, slots] = rows[:, :, n:]
