@@ -13,7 +13,7 @@ from enhancer.graph_switch import SWITCH
 from enhancer.quantize import MIN_PARITY_SNR_DB
 from enhancer.ringquant import HEADROOM, calibrate_rings, quantize_rings, ring_scales
 from enhancer.runtime import Enhancer
-from enhancer.step_io import init_rings, ring_views, write_rings
+from enhancer.step_io import ring_views, write_rings
 from tests.conftest import speechlike
 from tests.tolerance import snr_db
 
