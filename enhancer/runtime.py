@@ -10,7 +10,8 @@ Every path runs the exported step graph, whose time axis is dynamic: a live stre
 16 ms hop per call (many streams batched in one call by the server's scheduler), while audio that is
 already there -- a file, a block fed at once, a stream's backlog -- goes through in calls of up to
 `OFFLINE_FRAMES` hops, so every weight is read once per chunk instead of once per hop. Both give
-the same output. Above 16 kHz the band above 8 kHz is kept (`band="full"`, the default): delay-
+the same output (a graph with 8-bit key/value rings, as shipped: within their quantization,
+`enhancer.ringquant`). Above 16 kHz the band above 8 kHz is kept (`band="full"`, the default): delay-
 aligned with the enhanced low band and gained per hop by what the model does in its top bins and
 its speech activity (`enhancer.fullband`); `band="speech"` returns the model's band only. Per-stream state lives in a `LanePool`: batched cache arrays in which each stream
 (channel) owns a lane, and a stream's key/value rings are written in place.
@@ -80,7 +81,7 @@ class StreamingEnhancer:
 
     `feed` runs whatever input is ready in calls of up to `frames_per_call` hops (`OFFLINE_FRAMES`):
     a long block goes through at file speed, a 16 ms chunk as one live step; the output does not
-    depend on the chunking. With `metadata=True`, `metadata.pop()` returns each step's
+    depend on the chunking (with 8-bit rings, beyond their quantization). With `metadata=True`, `metadata.pop()` returns each step's
     `StepFrame` (competition and activity) since the last pop.
 
     Above 16 kHz, `band="full"` (the default) keeps the band above 8 kHz, gained by the model's
