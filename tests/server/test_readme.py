@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from enhancer.quantize import MIN_PARITY_SNR_DB
+from tests.tolerance import snr_db
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 NOISY = ROOT / "tests" / "fixtures" / "golden" / "noisy.flac"
@@ -80,8 +83,9 @@ def test_python_snippet_runs_as_written(workdir):
     offline, sr_off = sf.read(workdir / "clean.wav", dtype="float32")
     live, sr_live = sf.read(workdir / "clean-live.wav", dtype="float32")
     assert sr_off == sr_live == sr and offline.shape == live.shape == x.shape
-    # the live stream gives the file's output (16-bit WAV rounding aside)
-    assert np.max(np.abs(offline - live)) <= 1e-3 * np.max(np.abs(offline))
+    # the live stream gives the file's output within the shipped graph's 8-bit key/value rings (the
+    # live step reads every earlier frame from them; README, Speed) and 16-bit WAV rounding
+    assert snr_db(offline, live) > MIN_PARITY_SNR_DB
     # it removed something: the output differs from the input by more than rounding
     assert np.sqrt(np.mean((offline - x) ** 2)) > 0.05 * np.sqrt(np.mean(x ** 2))
 
