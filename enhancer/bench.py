@@ -186,7 +186,8 @@ def _header(enh: Enhancer) -> dict:
     cfg = enh.config
     return {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
-        "provider": enh.provider, "weights": enh.engine.weights, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
+        "provider": enh.provider, "weights": enh.engine.weights, "rings": enh.engine.ring_format,
+        "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
         "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.attention_window,
         "step": [], "paced": [],
     }
@@ -195,7 +196,7 @@ def _header(enh: Enhancer) -> dict:
 def format_table(res: dict) -> str:
     lines = [
         f"model            {res['model']} ({res['preset']}, {res['parameters']:,} parameters, {res['weights']} weights, "
-        f"{res['provider']})",
+        f"{res.get('rings', 'float32')} key/value rings, {res['provider']})",
         f"latency          {res['algorithmic_latency_ms']:.0f} ms algorithmic (window + lookahead); "
         f"output stream delay {res['stream_delay_ms']:.0f} ms",
         "",

@@ -107,6 +107,7 @@ def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
     for s in res["step"]:
         assert s["per_stream_p50_ms"] == pytest.approx(s["p50_ms"] / s["batch"])
     assert res["algorithmic_latency_ms"] == 64 and res["provider"] == "CPUExecutionProvider"
+    assert res["weights"] == "fp32" and res["rings"] == "float32"  # how the graph stores them
     assert res["offline_rtf"] > 0 and res["peak_rss_mb"] > 0
     assert [r["frames"] for r in res["offline"]] == [1, 16, 32, 64, 128, 256]
     assert all(r["rtf"] > 0 and r["rtf_cpu"] > 0 for r in res["offline"])
