@@ -135,3 +135,15 @@ def test_export_cli(torch_model, tmp_path, capsys):
     assert report["rings"] == "int8" and report["parity_snr_db"] >= MIN_PARITY_SNR_DB
     assert main(["info", out, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rings"] == "int8"
+
+
+def test_an_unknown_ring_format_is_refused(rings_path, tmp_path):
+    from enhancer.errors import CheckpointError
+
+    m = onnx.load(str(rings_path))
+    for p in m.metadata_props:
+        if p.key == "tim_enhancer.rings":
+            p.value = "int4"
+    onnx.save(m, str(tmp_path / "int4.onnx"))
+    with pytest.raises(CheckpointError, match="rings stored as 'int4'"):
+        Engine(tmp_path / "int4.onnx")
