@@ -147,3 +147,24 @@ def test_an_unknown_ring_format_is_refused(rings_path, tmp_path):
     onnx.save(m, str(tmp_path / "int4.onnx"))
     with pytest.raises(CheckpointError, match="rings stored as 'int4'"):
         Engine(tmp_path / "int4.onnx")
+
+
+def test_lanes_stepped_together_match_lanes_stepped_alone(rings_path):
+    """A batch of scattered lanes (the gather path of `LanePool.run`) gives each stream what it gets
+    alone: the query scales are per stream and head, the ring scales fixed."""
+    eng = Engine(rings_path)
+    x = np.stack([speechlike(40 * 256, seed=s) * g for s, g in ((4, 1.0), (5, 0.5), (6, 2.0))])  # 3 streams
+    hops = x.reshape(3, 40, 256)
+    gain = np.zeros(3, np.float32)
+    shared = LanePool(eng, 6)
+    shared.alloc(6)
+    lanes = np.array([0, 2, 5])  # lanes 1, 3 and 4 are in the call's range but not stepped
+    together = np.stack([shared.step(lanes, hops[:, t], gain).out for t in range(40)], axis=1)
+    assert shared.pos.tolist() == [40, 0, 40, 0, 0, 40] and not shared.rings[:, [1, 3, 4]].any()
+    alone = []
+    for i in range(3):
+        p = LanePool(eng, 1)
+        lane = p.alloc(1)
+        alone.append(np.stack([p.step(lane, hops[i:i + 1, t], gain[:1]).out[0] for t in range(40)]))
+    for i in range(3):
+        assert snr_db(alone[i], together[i]) > 60  # 87 dB to exact here: a rounding or two of a query
