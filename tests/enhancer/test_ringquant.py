@@ -168,3 +168,16 @@ def test_lanes_stepped_together_match_lanes_stepped_alone(rings_path):
         alone.append(np.stack([p.step(lane, hops[i:i + 1, t], gain[:1]).out[0] for t in range(40)]))
     for i in range(3):
         assert snr_db(alone[i], together[i]) > 60  # 87 dB to exact here: a rounding or two of a query
+
+
+def test_an_ordinary_transformer_exports_with_8_bit_rings(tmp_path):
+    """The baseline preset (no TIM blocks, one mechanism per layer) takes the same rewrite."""
+    import torch
+
+    import enhancer
+
+    torch.manual_seed(0)
+    cfg = enhancer.ModelConfig.preset("baseline", attention_window=8)
+    report = export_step(enhancer.build_model(cfg).eval(), tmp_path / "b.onnx", ring_calibration=calibration_audio()[:1])
+    assert report["rings"] == "int8" and report["parity_snr_db"] >= MIN_PARITY_SNR_DB
+    assert Engine(tmp_path / "b.onnx").int8_rings
