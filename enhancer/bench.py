@@ -196,7 +196,7 @@ def _header(enh: Enhancer) -> dict:
 def format_table(res: dict) -> str:
     lines = [
         f"model            {res['model']} ({res['preset']}, {res['parameters']:,} parameters, {res['weights']} weights, "
-        f"{res.get('rings', 'float32')} key/value rings, {res['provider']})",
+        f"{res['rings']} key/value rings, {res['provider']})",
         f"latency          {res['algorithmic_latency_ms']:.0f} ms algorithmic (window + lookahead); "
         f"output stream delay {res['stream_delay_ms']:.0f} ms",
         "",

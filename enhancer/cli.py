@@ -141,11 +141,12 @@ def cmd_export(a) -> int:
     if a.save_checkpoint:  # weights only (no training state), e.g. the shipped models/tim.pt
         report["checkpoint"] = str(save_checkpoint(model, model.config, a.save_checkpoint, half=a.fp16))
     print(json.dumps(report, indent=2))
-    if (a.int8 or a.int8_rings) and "parity_snr_db" in report and report["parity_snr_db"] < MIN_PARITY_SNR_DB:
+    eight_bit = a.int8 or a.int8_rings  # not bit-exact: gated on the output's distance from torch
+    if eight_bit and "parity_snr_db" in report and report["parity_snr_db"] < MIN_PARITY_SNR_DB:
         print(f"error: the 8-bit graph's output is only {report['parity_snr_db']:.1f} dB above its difference from "
               f"torch (needs {MIN_PARITY_SNR_DB:g} dB)", file=sys.stderr)
         return 1
-    if not (a.int8 or a.int8_rings) and "max_rel_diff" in report and not report["max_rel_diff"] <= MAX_REL_DIFF:
+    if not eight_bit and "max_rel_diff" in report and not report["max_rel_diff"] <= MAX_REL_DIFF:
         print(f"error: onnxruntime differs from torch by {report['max_abs_diff']:.3g}, "
               f"{report['max_rel_diff']:.3g} of the output's peak (allowed: {MAX_REL_DIFF:g})", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import numpy as np
 from .config import ModelConfig
 from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
+from .ringquant import RING_FORMATS
 from .step_io import (
     STEP_FORMAT,
     StepOutputs,
@@ -85,8 +86,9 @@ class Engine:
             raise CheckpointError(f"{path}: graph inputs/outputs do not match its config {self.config.name!r}")
         self.input_names, self.output_names = got_in, got_out
         self.ring_format = self.metadata.get("rings", "float32")
-        if self.ring_format not in ("float32", "int8"):
-            raise CheckpointError(f"{path}: key/value rings stored as {self.ring_format!r}; this runtime reads float32 or int8")
+        if self.ring_format not in RING_FORMATS:
+            raise CheckpointError(f"{path}: key/value rings stored as {self.ring_format!r}; this runtime reads "
+                                  f"{' or '.join(RING_FORMATS)}")
 
     @property
     def provider(self) -> str:

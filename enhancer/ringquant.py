@@ -114,8 +114,8 @@ def quantize_rings(proto, scales: np.ndarray):
     zero_i8, one = const("rq/zp0_i8", 0, np.int8), const("rq/one", 1.0)
     inv127, tiny, p_scale = const("rq/inv127", 1.0 / 127.0), const("rq/tiny", 1e-30), const("rq/p_scale", P_SCALE)
 
-    def consumers(graph, name: str):
-        return [n for n in graph.node if name in n.input]
+    def consumers(nodes, name: str):
+        return [n for n in nodes if name in n.input]
 
     live_nodes = list(live.node)
     for j in range(n_layers):
@@ -123,8 +123,8 @@ def quantize_rings(proto, scales: np.ndarray):
         sk, sv = scales[j], scales[n_layers + j]
         head = (1, n_heads, 1, 1)
         # ---- live body: the scores q @ K^T on MatMulInteger
-        tr = _single(consumers(live, k), "Transpose", k)
-        mm = _single(consumers(live, tr.output[0]), "MatMul", tr.output[0])
+        tr = _single(consumers(live_nodes, k), "Transpose", k)
+        mm = _single(consumers(live_nodes, tr.output[0]), "MatMul", tr.output[0])
         q, s = mm.input[0], mm.output[0]
         t = f"live/rq{j}/"
         sk_c = const(f"rq/sk{j}", sk.reshape(head))
@@ -142,7 +142,7 @@ def quantize_rings(proto, scales: np.ndarray):
         ]
         live_nodes = _replace(live_nodes, [tr, mm], new)
         # ---- live body: the context p @ V on MatMulInteger
-        pv = _single([n for n in live_nodes if v in n.input], "MatMul", v)
+        pv = _single(consumers(live_nodes, v), "MatMul", v)
         p, c = pv.input[0], pv.output[0]
         sv_c = const(f"rq/sv{j}_p", (sv * P_SCALE).reshape(head))
         new = [
@@ -153,12 +153,12 @@ def quantize_rings(proto, scales: np.ndarray):
         ]
         live_nodes = _replace(live_nodes, [pv], new)
         # ---- any-T body: dequantize what it reads (its key Transpose becomes the dequantization)
-        atr = _single(consumers(anyt, k), "Transpose", k)
+        atr = _single(consumers(anyt.node, k), "Transpose", k)
         deq_k = helper.make_node("DequantizeLinear", [k, const(f"rq/sk{j}_axis", sk)], [atr.output[0]], axis=1,
                                  name=f"any/rq{j}/k")
         vf = f"any/rq{j}/v_f"
         deq_v = helper.make_node("DequantizeLinear", [v, const(f"rq/sv{j}_axis", sv)], [vf], axis=1, name=f"any/rq{j}/v")
-        for n in consumers(anyt, v):
+        for n in consumers(anyt.node, v):
             n.input[:] = [vf if x == v else x for x in n.input]
         nodes = [deq_k, deq_v] + [n for n in anyt.node if n is not atr]
         del anyt.node[:]
@@ -197,9 +197,8 @@ def _single(nodes, op: str, what: str):
 
 def _replace(nodes, old, new):
     """`nodes` with the nodes of `old` removed and `new` put where the first of them was."""
-    at = min(nodes.index(n) for n in old)
+    at = next(i for i, n in enumerate(nodes) if any(n is o for o in old))  # nothing before it is removed
     kept = [n for n in nodes if all(n is not o for o in old)]
-    at = sum(1 for n in nodes[:at] if all(n is not o for o in old))
     return kept[:at] + new + kept[at:]
 
 
