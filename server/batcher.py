@@ -1,11 +1,12 @@
 """The batching round of an inference worker: gather every live stream's ready hop, step them in
 one call of the lane pool, hand each stream its slice; then one multi-frame call per flushing
-stream and per file that the live streams leave room for.
+group of flushing streams and per file that the live streams leave room for.
 
 Files run up to `FILE_FRAMES` hops per call (`LanePool.run`: every weight read once per chunk),
 or `FILE_FRAMES_BESIDE_LIVE` while live streams share the worker, so that a file never holds a
-live hop back for long. A live stream behind the lateness budget runs its backlog up to
-`BACKLOG_FRAMES` hops per call instead of one hop per round (`server.lateness`).
+live hop back for long. Live streams behind the lateness budget run their backlogs up to
+`BACKLOG_FRAMES` hops per call, all of them in one call, instead of one hop per round
+(`server.lateness`); streams that end together flush together.
 """
 from __future__ import annotations
 
@@ -27,6 +28,32 @@ FILE_FRAMES_BESIDE_LIVE = 4  # ... when live streams do: such a call costs about
 BACKLOG_FRAMES = 16  # hops per call of a live stream's backlog (it is late: it gets a larger share)
 
 log = logging.getLogger("tim_enhancer.server")
+
+
+def lane_clusters(group: list[StreamState], slack: int = 4) -> list[list[StreamState]]:
+    """`group` split, in lane order, into runs whose calls waste little: `LanePool.run` computes
+    every lane between the lowest and the highest it steps, so a run grows only while its lane
+    range stays within twice its lanes plus `slack`."""
+    if len(group) < 2:
+        return [group] if group else []
+    order = sorted(group, key=lambda st: int(st.cursor.lanes.min()))
+    parts, part, lo, hi, used = [], [], 0, 0, 0
+    for st in order:
+        lanes = st.cursor.lanes
+        a, b, k = int(lanes.min()), int(lanes.max()) + 1, len(lanes)
+        if part and max(hi, b) - lo > 2 * (used + k) + slack:
+            parts.append(part)
+            part = []
+        if not part:
+            lo, hi, used = a, b, 0
+        part.append(st)
+        hi, used = max(hi, b), used + k
+    parts.append(part)
+    return parts
+
+
+class _CallFailed(Exception):
+    """A `LanePool.run` call failed (the cause is chained)."""
 
 
 class Batcher:
@@ -91,46 +118,113 @@ class Batcher:
             else:
                 files.append(st)
         self._step_live(live)
-        for st in behind:
-            if st.job.id in self.streams:
-                self.run_backlog(st)
+        if behind:
+            self.run_backlog(behind)
         frames = FILE_FRAMES_BESIDE_LIVE if any(st.stepping_live for st in self.streams.values()) else FILE_FRAMES
-        for st in flushing + self.files.allowed(files, bool(live), time.perf_counter())[0]:
+        if flushing:
+            self.run_group(flushing, frames)
+        for st in self.files.allowed(files, bool(live), time.perf_counter())[0]:
             if st.job.id in self.streams:
                 self.run_file(st, frames)
 
     def run_file(self, st: StreamState, frames: int) -> None:
         """Up to `frames` ready hops of one stream in one call (`LanePool.run`); a failure closes
         that stream only (the pool's state only changes when a call succeeds)."""
-        c = st.cursor
-        n = min(c.ready_hops(), frames)
-        try:
-            t0 = time.perf_counter()
-            try:
-                r = self.pool.run(c.lanes, c.take_hops(n), c.gains)
-            finally:
-                t1 = time.perf_counter()
-                self.files.spend(t1 - t0, t1)
-            self.metrics.batch_size.observe(len(c.lanes))
-            c.put_outputs(r.out, r.competition, r.activity)
-        except Exception as e:  # a fault of this stream's call: close it, keep serving the others
-            log.exception("inference of %d hop(s) of stream %d failed: closing it", n, st.job.id)
-            self.fail(st, e)
-            return
-        st.dirty = True
-        self.metrics.frames.labels(source=st.job.source).inc(n)
-        if c.ready_hops():
-            st.ready_since = time.perf_counter()
+        self.run_group([st], frames)
 
-    def run_backlog(self, st: StreamState) -> None:
-        """A live stream later than the lateness budget with several ready hops (it fell behind,
-        but not past `max_lateness_ms`): up to `BACKLOG_FRAMES` of them in one multi-frame call,
-        which costs about what one batched step does, so the stream catches up in a few rounds;
-        each hop's lateness is recorded."""
-        first = st.steps
-        self.run_file(st, BACKLOG_FRAMES)
-        if st.job.id in self.streams:
-            self.lateness.observe_backlog(st, first, time.perf_counter())
+    def run_group(self, group: list[StreamState], frames: int) -> None:
+        """Up to `frames` ready hops of every stream of `group` in one call (`LanePool.run`), the
+        same number for each: the fewest any of them has ready (the rest go in the next round).
+        Streams that fall behind or end together run together: one call over ten streams costs
+        about a third of ten calls of one. If the call fails, each stream is retried alone with the
+        hops it gave (the pool's state only changes when a call succeeds), so a fault tied to one
+        stream closes that stream only."""
+        group = [st for st in group if st.job.id in self.streams]
+        parts = lane_clusters(group)
+        if len(parts) > 1:
+            for part in parts:
+                self.run_group(part, frames)
+            return
+        if not group:
+            return
+        n = min(min(st.cursor.ready_hops() for st in group), frames)
+        taken: list[tuple[StreamState, np.ndarray]] = []
+        for st in group:
+            try:
+                taken.append((st, st.cursor.take_hops(n)))
+            except Exception as e:  # this stream's bookkeeping: close it alone
+                log.exception("stream %d: taking %d hop(s) failed: closing it", st.job.id, n)
+                self.fail(st, e)
+        if not taken:
+            return
+        try:
+            r = self._run_hops(taken)
+        except _CallFailed as e:
+            if len(taken) == 1:
+                log.error("inference of %d hop(s) of stream %d failed: closing it", n, taken[0][0].job.id,
+                          exc_info=e.__cause__)
+                self.fail(taken[0][0], e.__cause__)
+                return
+            log.error("inference of %d hop(s) of %d streams failed; retrying them one by one", n, len(taken),
+                      exc_info=e.__cause__)
+            for st, hops in taken:
+                try:
+                    r = self._run_hops([(st, hops)])
+                except _CallFailed as e:
+                    log.error("inference of %d hop(s) of stream %d failed: closing it (%s)", n, st.job.id,
+                              type(e.__cause__).__name__)
+                    self.fail(st, e.__cause__)
+                    continue
+                self._put_many([(st, hops)], r)
+            return
+        self._put_many(taken, r)
+
+    def _run_hops(self, taken: list[tuple[StreamState, np.ndarray]]) -> StepResult:
+        """One `LanePool.run` over the streams' taken hops (channels, n, hop) each; _CallFailed on failure."""
+        lanes = np.concatenate([st.cursor.lanes for st, _ in taken])
+        gains = np.concatenate([st.cursor.gains for st, _ in taken])
+        t0 = time.perf_counter()
+        try:
+            r = self.pool.run(lanes, np.concatenate([h for _, h in taken]), gains)
+        except Exception as e:
+            raise _CallFailed() from e
+        finally:
+            t1 = time.perf_counter()
+            self.files.spend(t1 - t0, t1)
+        self.metrics.batch_size.observe(len(lanes))
+        return r
+
+    def _put_many(self, taken: list[tuple[StreamState, np.ndarray]], r: StepResult) -> None:
+        """Hand each stream its lanes' slice of a multi-frame call's result."""
+        o = 0
+        now = time.perf_counter()
+        for st, hops in taken:
+            c = st.cursor
+            k = c.channels
+            try:
+                comp = None if r.competition is None else r.competition[o:o + k]
+                c.put_outputs(r.out[o:o + k], comp, None if r.activity is None else r.activity[o:o + k])
+            except Exception as e:  # a fault of this stream's bookkeeping: close it alone
+                log.exception("stream %d: output bookkeeping failed", st.job.id)
+                self.fail(st, e)
+            else:
+                st.dirty = True
+                self.metrics.frames.labels(source=st.job.source).inc(hops.shape[1])
+                if c.ready_hops():
+                    st.ready_since = now
+            o += k
+
+    def run_backlog(self, behind: list[StreamState]) -> None:
+        """Live streams later than the lateness budget with several ready hops (they fell behind,
+        but not past `max_lateness_ms`): up to `BACKLOG_FRAMES` of their hops in one multi-frame
+        call for all of them (`run_group`), which costs a few batched steps, so they catch up in a
+        few rounds without holding the others back; each hop's lateness is recorded."""
+        first = {st.job.id: st.steps for st in behind}
+        self.run_group(behind, BACKLOG_FRAMES)
+        done = time.perf_counter()
+        for st in behind:
+            if st.job.id in self.streams:
+                self.lateness.observe_backlog(st, first[st.job.id], done)
 
     def _step_live(self, ready: list[StreamState]) -> None:
         """One batched step over the live streams with a ready hop. If the batched call fails, each

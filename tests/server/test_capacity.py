@@ -431,6 +431,120 @@ def test_backlog_of_a_late_stream_is_one_multi_frame_call_equal_to_hop_by_hop(en
     assert_close_to_peak(late.cursor.pull(), now.cursor.pull())
 
 
+class _Loop:
+    """Stands in for a stream's event loop: keeps what a worker posts to it."""
+
+    def __init__(self):
+        self.posted = []
+
+    def call_soon_threadsafe(self, fn, batch):
+        self.posted.extend(batch)
+
+
+def _worker_with_streams(enhancer_rt, signals, arrived, size=8, **limits):
+    """A worker with one mono 16 kHz stream per signal (ids 1..n), each pushed all at once at `arrived`."""
+    w = Worker(0, enhancer_rt, size, Metrics(), settings=Settings.build(lateness_budget_ms=40, max_lateness_ms=5000,
+                                                                        **limits))
+    loop = _Loop()
+    for i, x in enumerate(signals, 1):
+        job = SimpleNamespace(source="stream", id=i, channels=1, sample_rate=16000, metadata=False, loop=loop, sent=1)
+        w.apply(Open(job, None))
+        w.apply(Push(job, x, arrived, 1))
+    return w, loop
+
+
+def test_streams_behind_together_run_their_backlogs_in_one_call(enhancer_rt, monkeypatch):
+    """Four streams late beyond the budget, with 11 to 14 hops ready: one call of the lane pool over
+    all four per round (as many hops for each as the shortest backlog has, then the rest), never a
+    call per stream; each output equals the same audio stepped one hop per round on time."""
+    hop = 256
+    xs = [speechlike((11 + k) * hop + 40, 16000, seed=30 + k) for k in range(4)]
+    late_w, _ = _worker_with_streams(enhancer_rt, xs, time.perf_counter() - 0.5)
+    calls = []
+    real_run = late_w.pool.run
+    monkeypatch.setattr(late_w.pool, "run", lambda lanes, hops, g: calls.append(hops.shape) or real_run(lanes, hops, g))
+    ready = [late_w.streams[i].cursor.ready_hops() for i in (1, 2, 3, 4)]
+    assert ready == [11, 12, 13, 14]
+    late_w.batcher.round()
+    assert calls == [(4, 11, hop)]
+    for _ in range(3):
+        late_w.batcher.round()
+    assert [late_w.streams[i].cursor.ready_hops() for i in (1, 2, 3, 4)] == [0, 0, 0, 0]
+    assert calls[0][0] == 4 and all(c[0] < 4 for c in calls[1:]) and len(calls) <= 4
+    assert all(e.type == "late" for i in (1, 2, 3, 4) for e in late_w.streams[i].events[:1])
+
+    now_w, _ = _worker_with_streams(enhancer_rt, xs, time.perf_counter() + 100.0)  # on time: hop by hop
+    for _ in range(max(ready)):
+        now_w.batcher.round()
+    for i in (1, 2, 3, 4):
+        assert now_w.streams[i].steps == ready[i - 1] and not now_w.streams[i].events
+        assert_close_to_peak(late_w.streams[i].cursor.pull(), now_w.streams[i].cursor.pull())
+
+
+def test_streams_ending_together_flush_in_one_call(enhancer_rt, monkeypatch):
+    """Three live streams that end in the same round flush their tails in one call of the lane pool."""
+    from server.commands import End
+
+    w, _ = _worker_with_streams(enhancer_rt, [speechlike(4000, 16000, seed=40 + k) for k in range(3)],
+                                time.perf_counter() + 100.0)
+    while any(st.cursor.ready_hops() for st in w.streams.values()):
+        w.batcher.round()
+    for st in list(w.streams.values()):
+        w.apply(End(st.job, 1))
+    calls = []
+    real_run = w.pool.run
+    monkeypatch.setattr(w.pool, "run", lambda lanes, hops, g: calls.append(hops.shape) or real_run(lanes, hops, g))
+    w.batcher.round()
+    assert len(calls) == 1 and calls[0][0] == 3, calls
+    assert all(not st.cursor.ready_hops() for st in w.streams.values())
+
+
+def test_a_failing_group_call_closes_only_the_stream_it_fails_for(enhancer_rt, monkeypatch):
+    """The backlog call of three late streams fails whenever stream 2's lane is in it: each stream is
+    retried alone, streams 1 and 3 catch up with the same output as on time, stream 2 is closed
+    with an internal error."""
+    hop = 256
+    xs = [speechlike(6 * hop, 16000, seed=50 + k) for k in range(3)]
+    w, loop = _worker_with_streams(enhancer_rt, xs, time.perf_counter() - 0.5)
+    bad = int(w.streams[2].cursor.lanes[0])
+    real_run = w.pool.run
+
+    def run(lanes, hops, g):
+        if bad in lanes:
+            raise RuntimeError("injected fault")
+        return real_run(lanes, hops, g)
+
+    monkeypatch.setattr(w.pool, "run", run)
+    w.batcher.round()
+    assert sorted(w.streams) == [1, 3]
+    errors = [(job.id, d.error) for job, d in loop.posted if d.error is not None]
+    assert [(i, e.kind.value) for i, e in errors] == [(2, "internal")]
+    now_w, _ = _worker_with_streams(enhancer_rt, xs, time.perf_counter() + 100.0)
+    for _ in range(6):
+        now_w.batcher.round()
+    for i in (1, 3):
+        assert w.streams[i].cursor.ready_hops() == 0
+        assert_close_to_peak(w.streams[i].cursor.pull(), now_w.streams[i].cursor.pull())
+
+
+def test_lane_clusters_split_groups_whose_lanes_lie_far_apart():
+    """A call covers every lane between its lowest and highest: streams on lanes far apart run in
+    separate calls, neighbours in one."""
+    from server.batcher import lane_clusters
+
+    def st(*lanes):
+        return SimpleNamespace(cursor=SimpleNamespace(lanes=np.array(lanes)))
+
+    a, b, c, d = st(0), st(1, 2), st(3), st(60)
+    assert lane_clusters([]) == []
+    assert lane_clusters([d, a]) == [[a], [d]]
+    assert lane_clusters([c, a, b]) == [[a, b, c]]
+    assert lane_clusters([a, d, c, b]) == [[a, b, c], [d]]
+    e, f, g = st(0), st(7), st(8)
+    assert lane_clusters([e, f]) == [[e, f]]  # a range of 8 lanes for 2: within 2 x 2 + 4
+    assert lane_clusters([e, g]) == [[e], [g]]  # 9 lanes for 2: two calls
+
+
 @pytest.mark.parametrize("live_slow", [60_000.0], ids=["no-skip"], indirect=True)
 def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_slow, enhancer_rt, monkeypatch):
     """Batched one-hop steps take 40 ms (2.5 hops) for 0.6 s, so a real-time stream falls behind
@@ -450,10 +564,10 @@ def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_slow, enhanc
             time.sleep(0.040)
         return real_step(*a, **kw)
 
-    def backlog(st):
-        before = st.steps
-        real_backlog(st)
-        backlog_hops.append(st.steps - before)
+    def backlog(behind):
+        before = [st.steps for st in behind]
+        real_backlog(behind)
+        backlog_hops.extend(st.steps - b for st, b in zip(behind, before))
 
     sr, seconds, chunk = 16000, 3.0, 256
     x = speechlike(int(seconds * sr), sr, seed=23)[:, None]
