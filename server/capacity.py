@@ -16,10 +16,11 @@ The capacity follows from robust statistics of all the workers' steps together (
 alike: threads of one process on like cores, so each gets the same capacity). Per batch size, the
 median step; over all sizes, the tail factor `p95 / median` of the steps (every step divided by its
 size's median, pooled), which says how far the slow steps stray. A step costs about `a + c x batch`:
-the line is fitted to the medians (least squares, all sizes timed), and a worker's capacity is the
-largest batch whose step on that line, times the tail factor, stays within the step budget,
-`hop x (1 - capacity_margin)` (never more than the largest size timed). The margin is left for the
-batch wait, the workers' own bookkeeping and catching up after a stall. A single slow step (a preemption of the
+the line is fitted to the medians (least squares; sizes stretched past the hop by waiting for a
+core are left out), and a worker's capacity is the largest batch whose step on that line, times
+the tail factor, stays within the step budget, `hop x (1 - capacity_margin)` (never more than the
+largest size timed). The margin is left for the batch wait, the workers' own bookkeeping and
+catching up after a stall (streams that fall behind catch up together: `server.batcher`). A single slow step (a preemption of the
 virtual machine) moves neither the medians nor the tail factor much, so one start-up measures about
 what the next does.
 
@@ -231,11 +232,16 @@ def step_line(points: dict[int, float]) -> tuple[float, float] | None:
     return (float(a), float(c)) if c > 0 else None
 
 
-def lanes_on_line(medians: dict[int, float], tail: float, budget_ms: float) -> int:
+def lanes_on_line(medians: dict[int, float], tail: float, budget_ms: float, hop_ms: float | None = None) -> int:
     """Lanes whose step, on the line `a + c x batch` fitted to the medians (`step_line`) and times the
     tail factor, is within `budget_ms`, never more than the largest size timed; with fewer than two
-    sizes or a line that does not rise, the measured medians themselves (`lanes_within`)."""
-    line = step_line(medians)
+    sizes or a line that does not rise, the measured medians themselves (`lanes_within`).
+
+    Sizes whose median is longer than the hop (`hop_ms`) are left out of the fit when two or more
+    others remain: such a worker steps back to back and waits for a core that the other workers and
+    the event loop hold, so its step is stretched by the wait, not by its lanes."""
+    within = {b: m for b, m in medians.items() if hop_ms is None or m <= hop_ms}
+    line = step_line(within if len(within) >= 2 else medians)
     if line is None:
         return lanes_within({b: tail * m for b, m in medians.items()}, budget_ms)
     a, c = line
@@ -274,7 +280,7 @@ def calibrate(pools, hop_s: float, margin: float, max_streams: int, deadline_s: 
         if isinstance(r, BaseException):
             raise r
     medians, tail = pooled(results)
-    lanes = min(lanes_on_line(medians, tail, 1000 * budget_s), min(max_streams, min(p.capacity for p in pools)))
+    lanes = min(lanes_on_line(medians, tail, 1000 * budget_s, 1000 * hop_s), min(max_streams, min(p.capacity for p in pools)))
     per = [lanes] * len(results)
     total = min(sum(per), max_streams)
     if total == 0:

@@ -26,7 +26,7 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--capacity", type=int, default=None, help="admit this many live streams instead of measuring "
                    "the capacity at start-up")
     s.add_argument("--capacity-margin", type=float, default=None, help="share of the 16 ms hop the step (its median "
-                   "times the tail factor p95 / median) must leave free when measuring the capacity (default 0.4)")
+                   "times the tail factor p95 / median) must leave free when measuring the capacity (default 0.3)")
     s.add_argument("--loop-ms", type=float, default=None, help="the event loop's CPU per live stream and hop, "
                    "reproduced while measuring the capacity (default 0.2; /readyz shows the figure measured while "
                    "serving as loop_ms_per_stream)")

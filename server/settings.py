@@ -33,7 +33,7 @@ class Settings:
     max_batch_wait_ms: float = 12.0  # a ready hop may wait this long for other live streams to join its step
     # admission and lateness (server/README.md, "Capacity, admission and lateness")
     capacity: int | None = None  # live streams admitted; None: measured at start-up (server.capacity)
-    capacity_margin: float = 0.4  # share of the 16 ms hop the step (median x tail factor) must leave free
+    capacity_margin: float = 0.3  # share of the 16 ms hop the step (median x tail factor) must leave free
     # the event loop's CPU per live stream and hop (receive, decode, send), reproduced while calibrating;
     # /readyz shows the figure measured while serving ("loop_ms_per_stream")
     loop_ms: float = 0.2

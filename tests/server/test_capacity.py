@@ -254,6 +254,11 @@ def test_lanes_on_line_fits_the_medians_and_never_extrapolates():
     assert 11 <= calibration.lanes_on_line(noisy, 1.2, 9.6) <= 12
     assert calibration.lanes_on_line({1: 3.0, 2: 2.0}, 1.0, 9.6) == 2  # not rising: the medians themselves
     assert calibration.lanes_on_line({1: 11.0}, 1.0, 9.6) == 0
+    # the size that ended the sweep, stretched past the line by waiting for a core, does not bend it
+    saturated = line | {24: 3 * (2.0 + 0.5 * 24)}  # 42 ms: longer than the 16 ms hop
+    assert calibration.lanes_on_line(saturated, 1.2, 9.6, 16.0) == 12
+    assert calibration.lanes_on_line(saturated, 1.2, 9.6) < 12  # fitted with it, the line is steeper
+    assert calibration.lanes_on_line(saturated, 1.0, 100.0, 16.0) == 24
 
 
 def test_one_preempted_step_changes_neither_worker_s_capacity(clock):
