@@ -136,7 +136,7 @@ class Batcher:
         """Up to `frames` ready hops of every stream of `group` in one call (`LanePool.run`), the
         same number for each: the fewest any of them has ready (the rest go in the next round).
         Streams that fall behind or end together run together: one call over ten streams costs
-        about a third of ten calls of one. If the call fails, each stream is retried alone with the
+        a third to a half of what ten calls of one do. If the call fails, each stream is retried alone with the
         hops it gave (the pool's state only changes when a call succeeds), so a fault tied to one
         stream closes that stream only."""
         group = [st for st in group if st.job.id in self.streams]
