@@ -111,6 +111,18 @@ def fixed(streams: int, workers: int, max_streams: int, hop_s: float, margin: fl
     return Capacity(total, tuple(max(p, 1) if total else 0 for p in per), False, 1000 * hop_s * (1 - margin), margin)
 
 
+def warm(pools, lanes: Sequence[int], hop_s: float, steps: int = WARMUP) -> None:
+    """Before a fixed capacity is served: every pool steps its first `lanes[i]` lanes (at least one)
+    `steps` times, paced at the hop, then resets them, so that the first streams meet memory
+    already mapped and an inference session that has run (a fresh process's first steps and first
+    writes into its key/value rings take tens of milliseconds, which would make its first stream
+    late). Calibration does the same as a side effect."""
+    rng = np.random.default_rng(0)
+    for pool, n in zip(pools, lanes):
+        n = max(1, min(int(n), pool.capacity))
+        time_steps(pool, n, 1, hop_s, rng, warmup=steps)
+
+
 def lanes_within(points: dict[int, float], budget_ms: float) -> int:
     """The largest batch whose step (interpolated between measured sizes, made monotonic) is within
     `budget_ms`; the largest measured size if all are within, 0 if none is."""

@@ -117,7 +117,9 @@ class Scheduler:
         s, cfg = self.settings, workers[0].enhancer.config
         hop_s = self.hop_s = cfg.stft.hop / cfg.stft.sample_rate
         if s.capacity is not None:
-            return calibration.fixed(s.capacity, len(workers), s.max_streams, hop_s, s.capacity_margin)
+            cap = calibration.fixed(s.capacity, len(workers), s.max_streams, hop_s, s.capacity_margin)
+            calibration.warm([w.pool for w in workers], cap.per_worker, hop_s)
+            return cap
         return calibration.calibrate([w.pool for w in workers], hop_s, s.capacity_margin, s.max_streams,
                                      loop_ms=s.loop_ms)
 

@@ -17,6 +17,7 @@ import soundfile as sf
 from websockets.asyncio.client import connect as aconnect
 from websockets.sync.client import connect
 
+from enhancer.engine import LanePool
 from server import capacity as calibration
 from server.commands import Open, Push
 from server.metrics import Metrics
@@ -300,6 +301,35 @@ def test_server_calibrates_at_start_up_before_it_is_ready(model_path):
         assert metric(srv, "tim_capacity_calibrated") == 1 and metric(srv, "tim_capacity_streams") == cap["streams"]
     finally:
         srv.stop()
+
+
+def test_a_fixed_capacity_is_warmed_before_the_service_is_ready(enhancer_rt, monkeypatch):
+    """With `--capacity N` nothing is timed, but every worker steps its share of lanes a few times,
+    paced, before the workers start (a fresh process's first steps and first writes into its rings
+    are slow enough to make its first stream late); the lanes are left as a new stream finds them."""
+    from server.scheduler import Scheduler
+
+    stepped = []
+    real_step = LanePool.step
+
+    def step(pool, lanes, hops, gains):
+        stepped.append((id(pool), len(lanes)))
+        return real_step(pool, lanes, hops, gains)
+
+    monkeypatch.setattr(LanePool, "step", step)
+    monkeypatch.setattr("server.scheduler.Enhancer.from_pretrained", lambda *a, **k: enhancer_rt)
+    sched = Scheduler(Settings.build(workers=2, capacity=5, max_streams=8), Metrics())
+    sched.start()
+    try:
+        pools = [w.pool for w in sched.workers]
+        assert sched.capacity.per_worker == (3, 2) and not sched.capacity.calibrated
+        for pool, n in zip(pools, (3, 2)):
+            batches = [b for p, b in stepped if p == id(pool)]
+            assert batches == [n] * (calibration.WARMUP + 1)
+            assert not pool.pos.any() and not pool.rings.any()  # reset: as a new stream finds its lanes
+            assert pool.n_free == pool.capacity
+    finally:
+        sched.stop()
 
 
 def test_settings_validate_capacity_and_lateness():
