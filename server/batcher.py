@@ -121,8 +121,8 @@ class Batcher:
         if behind:
             self.run_backlog(behind)
         frames = FILE_FRAMES_BESIDE_LIVE if any(st.stepping_live for st in self.streams.values()) else FILE_FRAMES
-        if flushing:
-            self.run_group(flushing, frames)
+        if flushing:  # a tail is a few hops (the model's delay): all of them in one call
+            self.run_group(flushing, BACKLOG_FRAMES)
         for st in self.files.allowed(files, bool(live), time.perf_counter())[0]:
             if st.job.id in self.streams:
                 self.run_file(st, frames)
