@@ -120,12 +120,14 @@ class Batcher:
         self._step_live(live)
         if behind:
             self.run_backlog(behind)
-        frames = FILE_FRAMES_BESIDE_LIVE if any(st.stepping_live for st in self.streams.values()) else FILE_FRAMES
         if flushing:  # a tail is a few hops (the model's delay): all of them in one call
             self.run_group(flushing, BACKLOG_FRAMES)
-        for st in self.files.allowed(files, bool(live), time.perf_counter())[0]:
-            if st.job.id in self.streams:
-                self.run_file(st, frames)
+        allowed = self.files.allowed(files, bool(live), time.perf_counter())[0]
+        if allowed:
+            frames = FILE_FRAMES_BESIDE_LIVE if any(st.stepping_live for st in self.streams.values()) else FILE_FRAMES
+            for st in allowed:
+                if st.job.id in self.streams:
+                    self.run_file(st, frames)
 
     def run_file(self, st: StreamState, frames: int) -> None:
         """Up to `frames` ready hops of one stream in one call (`LanePool.run`); a failure closes
