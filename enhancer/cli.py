@@ -107,9 +107,10 @@ def cmd_export(a) -> int:
     if not a.quiet:
         print(f"loading {a.checkpoint}", file=sys.stderr, flush=True)
     model = load_checkpoint(a.checkpoint)
-    if a.gain_exponent is not None:
+    post = {k: v for k, v in (("gain_exponent", a.gain_exponent), ("rise_limit_gain", a.rise_limit)) if v is not None}
+    if post:
         try:
-            model.config = dataclasses.replace(model.config, gain_exponent=a.gain_exponent)
+            model.config = dataclasses.replace(model.config, **post)
             model.config.validate()
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -321,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gain-exponent", type=float, default=None, metavar="E",
                    help="raise the network's gains to this power in the exported graph (0.5..4; > 1 removes more of "
                         "the noise left under speech); default: the checkpoint's")
+    e.add_argument("--rise-limit", type=float, default=None, metavar="G",
+                   help="in noisy streams, keep network gains below G from rising above the previous frame's "
+                        "(removes bursts of residual noise; 0 = off); default: the checkpoint's")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (the JSON report still goes to stdout)")
     e.add_argument("--save-checkpoint", default=None, metavar="PT",
                    help="also write the exported weights as a torch checkpoint without training state")

@@ -80,6 +80,11 @@ class ModelConfig:
     # are; > 1: a gain of 0.5 becomes 0.42 at 1.25, a gain near 1 stays near 1), which removes more of
     # the noise left under speech; the training objective is on the network's gains (`TIMNet.forward`)
     gain_exponent: float = 1.0
+    # the rise limit (`enhancer.model.postfilter`): in noisy streams, a network gain below
+    # `rise_limit_gain` may not rise above the previous frame's gain in its bin (0: off)
+    rise_limit_gain: float = 0.0
+    rise_limit_snr_db: tuple[float, float] = (-6.0, 3.0)  # applied in full at or below the first, not at all from the second
+    rise_limit_seconds: float = 0.5  # time constant of its running estimate of the stream's SNR
     stft: STFTConfig = field(default_factory=STFTConfig)
 
     # ----------------------------------------------------------------- presets
@@ -148,6 +153,12 @@ class ModelConfig:
             problems.append("attention_window must be >= 1 frame")
         if not 0.5 <= self.gain_exponent <= 4.0:
             problems.append(f"gain_exponent must be in [0.5, 4], got {self.gain_exponent}")
+        if not 0.0 <= self.rise_limit_gain <= 1.0:
+            problems.append(f"rise_limit_gain must be in [0, 1], got {self.rise_limit_gain}")
+        if len(self.rise_limit_snr_db) != 2 or not self.rise_limit_snr_db[0] < self.rise_limit_snr_db[1]:
+            problems.append(f"rise_limit_snr_db must be two increasing values in dB, got {self.rise_limit_snr_db}")
+        if not self.rise_limit_seconds > 0:
+            problems.append(f"rise_limit_seconds must be > 0, got {self.rise_limit_seconds}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -155,6 +166,10 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["conv_channels"] = list(self.conv_channels)
+        d["rise_limit_snr_db"] = list(self.rise_limit_snr_db)
+        if not self.rise_limit_gain:  # off: stored as before the rise limit existed
+            for k in ("rise_limit_gain", "rise_limit_snr_db", "rise_limit_seconds"):
+                del d[k]
         # stored under its old name: checkpoints and exported models keep the format older runtimes read
         return {STORED_AS.get(k, k): v for k, v in d.items()}
 
@@ -173,8 +188,9 @@ class ModelConfig:
             if bad:
                 raise ValueError(f"unknown STFTConfig fields: {', '.join(bad)}")
             d["stft"] = STFTConfig(**d["stft"])
-        if "conv_channels" in d:
-            d["conv_channels"] = tuple(d["conv_channels"])
+        for k in ("conv_channels", "rise_limit_snr_db"):
+            if k in d:
+                d[k] = tuple(d[k])
         cfg = cls(**d)
         cfg.validate()
         return cfg

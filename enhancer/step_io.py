@@ -30,7 +30,10 @@ def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     dims = (cfg.n_freqs,) + tuple(cfg.conv_channels[:-1])
     specs = [("prev_hop", (cfg.stft.hop,)), ("spec_delay", (cfg.lookahead + 1, 2 * cfg.n_freqs))]
     specs += [(f"conv{i}", (cfg.kernel_size - 1, c)) for i, c in enumerate(dims)]
-    return specs + [("ola", (cfg.stft.hop,))]
+    specs.append(("ola", (cfg.stft.hop,)))
+    if cfg.rise_limit_gain > 0:  # the rise limit's state (`enhancer.model.postfilter`)
+        specs += [("prev_gain", (cfg.n_freqs,)), ("energy", (2,))]
+    return specs
 
 
 def ring_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

@@ -14,6 +14,9 @@ from ..config import ModelConfig
 from . import features
 from .blocks import EncoderBlock
 from .layers import window_mask
+from .postfilter import rise_limit
+
+LIMIT_FRAMES = 512  # frames per chunk of the offline rise limit
 from .preencoder import PreEncoder
 
 
@@ -74,9 +77,24 @@ class TIMNet(nn.Module):
         comp = torch.stack(comps, dim=2)[:, la:] if comps else None  # (B, T', n_tim, n_s)
         return gains, comp
 
-    def output_gain(self, gains: torch.Tensor) -> torch.Tensor:
-        """The gains applied to the noisy spectrum: the network's gains (`forward`) raised to
-        `gain_exponent`, before the attenuation limit."""
+    def output_gain(self, gains: torch.Tensor, power: torch.Tensor | None = None) -> torch.Tensor:
+        """The gains applied to the noisy spectrum: the network's gains (`forward`) through the rise
+        limit (`enhancer.model.postfilter`; needs `power`, |X|^2 of the same frames, from the start
+        of the stream) and raised to `gain_exponent`, before the attenuation limit."""
+        cfg = self.config
+        if cfg.rise_limit_gain > 0:
+            if power is None:
+                raise ValueError("the rise limit needs the power spectrum of the frames")
+            state = [gains.new_zeros(gains.shape[0], gains.shape[-1]), gains.new_zeros(gains.shape[0], 2)]
+            parts = []
+            for s in range(0, gains.shape[1], LIMIT_FRAMES):  # chunks: its cost grows with T^2 per call
+                part, *state = rise_limit(cfg, gains[:, s:s + LIMIT_FRAMES], power[:, s:s + LIMIT_FRAMES], *state)
+                parts.append(part)
+            gains = torch.cat(parts, dim=1) if parts else gains
+        return self.sharpen(gains)
+
+    def sharpen(self, gains: torch.Tensor) -> torch.Tensor:
+        """`gains` raised to `gain_exponent`."""
         e = self.config.gain_exponent
         return gains if e == 1.0 else gains ** e
 
@@ -89,7 +107,9 @@ class TIMNet(nn.Module):
         steps = -(-(cfg.delay_samples + n) // cfg.stft.hop)
         spec = features.stft(wav, cfg.stft, n_frames=steps)  # (B, S, F)
         gains, _ = self(features.log_magnitude(spec, cfg.log_eps), pad_end=False)  # (B, S-L, F)
-        gains = self.output_gain(gains).clamp_min(min_gain)
+        spec = spec[:, : gains.shape[1]]
+        power = spec.real ** 2 + spec.imag ** 2 if self.config.rise_limit_gain > 0 else None
+        gains = self.output_gain(gains, power).clamp_min(min_gain)
         return features.istft(spec[:, : gains.shape[1]] * gains, n, cfg.stft)
 
 

@@ -17,6 +17,8 @@ State caches (returned updated, fixed shape, zero for a fresh stream), in this o
     spec_delay (B, L+1, 2F)           [re | im] of the last L+1 frames (the gain applies to the oldest)
     conv0..3   (B, K-1, C_in)         input tail of each pre-encoder convolution
     ola        (B, 256)               overlap-add tail of the previous output frame
+    prev_gain  (B, F)                 the network's gains of the previous frame   } models with the rise
+    energy     (B, 2)                 running energies kept and removed            } limit only (`postfilter`)
 Key/value ring buffers (read by the graph, written by the caller in place):
     k0..k7, v0..v7  (B, H, W, dh)     slot `p % W` holds frame p's key/value
 Outputs, named (`enhancer.step_io.output_names`; read them by name with `StepOutputs.decode`):
@@ -42,6 +44,7 @@ from ..step_io import has_competition, state_specs
 from .blocks import chunk_bias, ring_bias
 from .features import dft_bases
 from .net import TIMNet
+from .postfilter import rise_limit
 
 
 class StreamingStep(nn.Module):
@@ -63,7 +66,9 @@ class StreamingStep(nn.Module):
     def forward(self, hops, min_gain, pos, *caches):
         cfg, net, f = self.config, self.net, self.f
         n_state = len(state_specs(cfg))
-        prev_hop, spec_delay, *tails, ola = caches[:n_state]
+        n_conv = len(cfg.conv_channels)
+        prev_hop, spec_delay = caches[:2]
+        tails, ola, limit_state = caches[2:2 + n_conv], caches[2 + n_conv], caches[3 + n_conv:n_state]
         rings = caches[n_state:]
         ks, vs = rings[: cfg.n_layers], rings[cfg.n_layers:]
         la, hop_n = cfg.lookahead, cfg.stft.hop
@@ -86,11 +91,17 @@ class StreamingStep(nn.Module):
             if c is not None:
                 comps.append(c)
         net_gain = torch.sigmoid(net.head(x)).reshape(hops.shape[0], t, f)  # (B, T, F): the network's gains
-        gain = torch.maximum(net.output_gain(net_gain), min_gain[:, None, None])  # those applied to the spectrum
-        # the speech activity is read from the network's gains, whatever the gain exponent
-        speech = gain if cfg.gain_exponent == 1.0 else torch.maximum(net_gain, min_gain[:, None, None])
         spec_all = torch.cat([spec_delay, spec], dim=1)  # (B, L+1+T, 2F): frame t's gain applies to row t+1
-        frame = (spec_all[:, 1:spec_all.shape[1] - la] * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
+        applied = spec_all[:, 1:spec_all.shape[1] - la]  # (B, T, 2F): the rows the T gains apply to
+        limited = net_gain
+        if limit_state:  # the rise limit (`enhancer.model.postfilter`), carried across calls
+            power = applied[..., :f] * applied[..., :f] + applied[..., f:] * applied[..., f:]
+            limited, *limit_state = rise_limit(cfg, net_gain, power, *limit_state, first=pos - la)
+        gain = torch.maximum(net.sharpen(limited), min_gain[:, None, None])  # those applied to the spectrum
+        # the speech activity is read from the network's gains, whatever the post-filters
+        plain = cfg.gain_exponent == 1.0 and not limit_state
+        speech = gain if plain else torch.maximum(net_gain, min_gain[:, None, None])
+        frame = (applied * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
         overlap = ola[:, None] if t == 1 else torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1)  # (B, T, hop)
         out = overlap + frame[..., :hop_n]  # (B, T, hop)
         activity = speech[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
@@ -99,4 +110,4 @@ class StreamingStep(nn.Module):
         if self.with_comp:
             head.append(torch.stack(comps, dim=1).reshape(hops.shape[0], t, len(comps), -1))  # (B, T, n_tim, n_s)
         head += [activity, kv_rows]
-        return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:]])
+        return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:], *limit_state])

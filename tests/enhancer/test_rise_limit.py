@@ -1,0 +1,160 @@
+"""The rise limit (`enhancer.model.postfilter`): its arithmetic against a direct numpy reference, and
+the same output from the offline torch reference, the torch step hop by hop and in chunks, the
+exported graph through the runtime (files, streams in random chunks, batched lanes) and the CLI."""
+import copy
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from enhancer import ModelConfig
+from enhancer.cli import main as cli_main
+from enhancer.export import MAX_REL_DIFF, export_step
+from enhancer.model.postfilter import decay, rise_limit
+from enhancer.runtime import Enhancer, LanePool
+from enhancer.step_io import state_specs
+from tests.conftest import speechlike
+from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
+from tests.tolerance import assert_close_to_peak, assert_differs
+
+CFG = ModelConfig.preset("tim", rise_limit_gain=0.3)
+
+
+def reference(cfg, gains, power):
+    """The rise limit written frame by frame, from a fresh stream."""
+    a = decay(cfg)
+    lo, hi = cfg.rise_limit_snr_db
+    kept_e = removed_e = 0.0
+    prev = np.zeros(gains.shape[1])
+    out = np.empty_like(gains)
+    for t, (g, p) in enumerate(zip(gains, power)):
+        kept = float((g * g * p).sum())
+        kept_e = a * kept_e + (1 - a) * kept
+        removed_e = a * removed_e + (1 - a) * max(float(p.sum()) - kept, 0.0)
+        snr = 10 * math.log10((kept_e + 1e-9) / (removed_e + 1e-9))
+        w = min(max((hi - snr) / (hi - lo), 0.0), 1.0)
+        limited = np.where(g < cfg.rise_limit_gain, np.minimum(g, prev), g)
+        out[t] = g - w * (g - limited)
+        prev = g
+    return out
+
+
+def test_matches_the_frame_by_frame_reference_in_any_chunking():
+    rng = np.random.default_rng(0)
+    t, f = 90, CFG.n_freqs
+    gains = rng.uniform(0, 1, (t, f)) ** 3
+    power = rng.uniform(0, 1, (t, f)) * np.where(np.arange(t) < 45, 1.0, 100.0)[:, None]  # a quiet, then loud input
+    ref = reference(CFG, gains, power)
+    g, p = torch.from_numpy(gains)[None], torch.from_numpy(power)[None]
+    whole = rise_limit(CFG, g, p, torch.zeros(1, f, dtype=g.dtype), torch.zeros(1, 2, dtype=g.dtype))[0][0].numpy()
+    np.testing.assert_allclose(whole, ref, rtol=1e-9, atol=0)
+    state, parts, s = [torch.zeros(1, f, dtype=g.dtype), torch.zeros(1, 2, dtype=g.dtype)], [], 0
+    for k in (1, 7, 30, 2, 50):
+        part, *state = rise_limit(CFG, g[:, s:s + k], p[:, s:s + k], *state)
+        parts.append(part[0].numpy())
+        s += k
+    np.testing.assert_allclose(np.concatenate(parts), ref, rtol=1e-9, atol=0)
+
+
+def test_a_burst_in_noise_is_held_down_and_speech_passes():
+    """A low gain that jumps for one frame where the stream is noisy stays at the previous frame's;
+    the same jump in a clean stream, and any gain above `rise_limit_gain`, pass unchanged."""
+    f, t = 4, 6
+    gains = np.full((t, f), 0.01)
+    gains[3, 0] = 0.2  # a burst below the threshold
+    gains[3, 1] = 0.9  # a speech onset above it
+    noisy = rise_limit(CFG, torch.tensor(gains)[None], torch.ones(1, t, f, dtype=torch.float64),
+                       torch.zeros(1, f, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64))[0][0].numpy()
+    assert noisy[3, 0] == pytest.approx(0.01)  # held at the previous frame's gain
+    assert noisy[3, 1] == pytest.approx(0.9)
+    np.testing.assert_array_equal(noisy[4:], gains[4:])  # the frames after are untouched
+    # the stream's running SNR estimate at or above the upper end: nothing changes
+    clean_state = torch.tensor([[1.0, 0.0]], dtype=torch.float64)  # all energy kept so far
+    steady = rise_limit(CFG, torch.tensor(gains)[None], torch.zeros(1, t, f, dtype=torch.float64),
+                        torch.zeros(1, f, dtype=torch.float64), clean_state)[0][0].numpy()
+    np.testing.assert_array_equal(steady[1:], gains[1:])
+
+
+def test_off_by_default_and_stored_only_when_on():
+    off = ModelConfig.preset("tim")
+    assert off.rise_limit_gain == 0.0
+    assert not any(k.startswith("rise_limit") for k in off.to_dict())  # older runtimes read it
+    assert [n for n, _ in state_specs(CFG)][-2:] == ["prev_gain", "energy"]
+    assert len(state_specs(CFG)) == len(state_specs(off)) + 2
+    back = ModelConfig.from_dict(json.loads(json.dumps(CFG.to_dict())))
+    assert back == CFG and back.rise_limit_snr_db == (-6.0, 3.0)
+
+
+@pytest.mark.parametrize("bad", [dict(rise_limit_gain=-0.1), dict(rise_limit_gain=1.5),
+                                 dict(rise_limit_snr_db=(3.0, -6.0)), dict(rise_limit_seconds=0.0)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError, match="rise_limit"):
+        ModelConfig.preset("tim", **bad)
+
+
+@pytest.fixture(scope="module")
+def limited(torch_model):
+    """The random test model with the limit always in full (its gains sit near 0.5, its running
+    SNR estimate anywhere) and below a threshold most of its gains are under."""
+    model = copy.deepcopy(torch_model)
+    model.config = dataclasses.replace(model.config, rise_limit_gain=0.8, rise_limit_snr_db=(60.0, 70.0))
+    return model
+
+
+@pytest.fixture(scope="module")
+def limited_rt(limited, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rise") / "limited.onnx"
+    report = export_step(limited, path, check=True)
+    assert report["max_rel_diff"] <= MAX_REL_DIFF, report
+    return Enhancer.from_pretrained(path, providers=["CPUExecutionProvider"])
+
+
+def test_step_graph_matches_torch(limited, torch_model, limited_rt, rng):
+    x = speechlike(24000, seed=7)
+    offline = limited.enhance(torch.from_numpy(x)[None])[0].numpy()
+    assert_differs(offline, torch_model.enhance(torch.from_numpy(x)[None])[0].numpy())  # the limit acts
+    assert_close_to_peak(torch_streaming(limited, x), offline)  # the torch step, hop by hop
+    assert_close_to_peak(torch_streaming(limited, x, chunks=[5, 1, 17, 200]), offline)  # and in chunks
+    assert_close_to_peak(stream_through(limited_rt.stream(), x, random_chunks(len(x), rng)), offline)
+    assert_close_to_peak(limited_rt.enhance(x, 16000), offline)
+
+
+def test_lanes_keep_their_own_state(limited, limited_rt):
+    """Two streams batched in one pool, one started later: each gets its own offline output."""
+    hop = limited.config.stft.hop
+    a, b = speechlike(12000, seed=1), speechlike(12000, seed=2) * 0.3
+    pool = LanePool(limited_rt.engine, 2)
+    lanes, no_limit = pool.alloc(2), np.zeros(2, np.float32)
+    outs = [[], []]
+    late = 10  # stream b starts 10 hops after a
+    for k in range(len(a) // hop + late):
+        if k < late:
+            outs[0].append(pool.step(lanes[:1], a[None, k * hop:(k + 1) * hop], no_limit[:1]).out[0])
+            continue
+        j = k - late
+        h = np.stack([a[k * hop:(k + 1) * hop] if k < len(a) // hop else np.zeros(hop, np.float32),
+                      b[j * hop:(j + 1) * hop]])
+        r = pool.step(lanes, h, no_limit)
+        outs[0].append(r.out[0])
+        outs[1].append(r.out[1])
+    d = limited.config.delay_samples
+    for x, out in zip((a, b), outs):
+        n = len(x) // hop * hop - d
+        y = np.concatenate(out)[d:d + n]
+        assert_close_to_peak(y, limited.enhance(torch.from_numpy(x)[None])[0].numpy()[:n])
+
+
+def test_export_command_sets_the_limit(torch_model, tmp_path, capsys):
+    from enhancer.checkpoint import load_checkpoint, save_checkpoint
+
+    pt = save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
+    out = tmp_path / "m.onnx"
+    assert cli_main(["export", str(pt), "-o", str(out), "--rise-limit", "0.3", "-q",
+                     "--save-checkpoint", str(tmp_path / "rl.pt")]) == 0
+    assert json.loads(capsys.readouterr().out)["max_rel_diff"] <= MAX_REL_DIFF
+    assert Enhancer.from_pretrained(out, providers=["CPUExecutionProvider"]).config.rise_limit_gain == 0.3
+    assert load_checkpoint(tmp_path / "rl.pt").config.rise_limit_gain == 0.3
+    assert cli_main(["export", str(pt), "-o", str(out), "--rise-limit", "2", "-q"]) != 0
