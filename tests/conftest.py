@@ -22,16 +22,27 @@ def torch_model():
     return model
 
 
-@pytest.fixture(scope="session")
-def model_path(torch_model, tmp_path_factory):
-    """`torch_model` exported to ONNX (the step graph the runtime and server load), checked:
+def export_checked(model, path):
+    """`model` exported to ONNX at `path` (the step graph the runtime and server load), checked:
     onnx.checker, then onnxruntime against torch step by step with lanes at different positions."""
     from enhancer.export import MAX_REL_DIFF, export_step
 
-    path = tmp_path_factory.mktemp("model") / "tim-test.onnx"
-    report = export_step(torch_model, path, check=True)
+    report = export_step(model, path, check=True)
     assert report["max_rel_diff"] <= MAX_REL_DIFF, report
     return path
+
+
+def runtime_of(model, folder):
+    """`model` exported and checked (`export_checked`) into `folder`, loaded on the CPU."""
+    from enhancer.runtime import Enhancer
+
+    return Enhancer.from_pretrained(export_checked(model, folder / "model.onnx"), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="session")
+def model_path(torch_model, tmp_path_factory):
+    """`torch_model` exported and checked (`export_checked`)."""
+    return export_checked(torch_model, tmp_path_factory.mktemp("model") / "tim-test.onnx")
 
 
 @pytest.fixture(scope="session")

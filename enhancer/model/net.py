@@ -15,9 +15,9 @@ from . import features
 from .blocks import EncoderBlock
 from .layers import window_mask
 from .postfilter import rise_limit
+from .preencoder import PreEncoder
 
 LIMIT_FRAMES = 512  # frames per chunk of the offline rise limit
-from .preencoder import PreEncoder
 
 
 class TIMNet(nn.Module):

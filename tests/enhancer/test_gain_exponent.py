@@ -10,9 +10,9 @@ import torch
 
 from enhancer import ModelConfig
 from enhancer.cli import main as cli_main
-from enhancer.export import MAX_REL_DIFF, export_step
+from enhancer.export import MAX_REL_DIFF
 from enhancer.runtime import Enhancer, LanePool, min_gain_for
-from tests.conftest import speechlike
+from tests.conftest import runtime_of, speechlike
 from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
 from tests.tolerance import assert_close_to_peak, assert_differs
 
@@ -28,10 +28,7 @@ def sharper(torch_model):
 
 @pytest.fixture(scope="module")
 def sharper_rt(sharper, tmp_path_factory):
-    path = tmp_path_factory.mktemp("exponent") / "sharper.onnx"
-    report = export_step(sharper, path, check=True)
-    assert report["max_rel_diff"] <= MAX_REL_DIFF, report
-    return Enhancer.from_pretrained(path, providers=["CPUExecutionProvider"])
+    return runtime_of(sharper, tmp_path_factory.mktemp("exponent"))
 
 
 def test_output_gain_is_the_power_of_the_network_gain(sharper, torch_model):

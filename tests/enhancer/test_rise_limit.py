@@ -12,11 +12,11 @@ import torch
 
 from enhancer import ModelConfig
 from enhancer.cli import main as cli_main
-from enhancer.export import MAX_REL_DIFF, export_step
+from enhancer.export import MAX_REL_DIFF
 from enhancer.model.postfilter import decay, rise_limit
 from enhancer.runtime import Enhancer, LanePool
 from enhancer.step_io import state_specs
-from tests.conftest import speechlike
+from tests.conftest import runtime_of, speechlike
 from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
 from tests.tolerance import assert_close_to_peak, assert_differs
 
@@ -106,10 +106,7 @@ def limited(torch_model):
 
 @pytest.fixture(scope="module")
 def limited_rt(limited, tmp_path_factory):
-    path = tmp_path_factory.mktemp("rise") / "limited.onnx"
-    report = export_step(limited, path, check=True)
-    assert report["max_rel_diff"] <= MAX_REL_DIFF, report
-    return Enhancer.from_pretrained(path, providers=["CPUExecutionProvider"])
+    return runtime_of(limited, tmp_path_factory.mktemp("rise"))
 
 
 def test_step_graph_matches_torch(limited, torch_model, limited_rt, rng):
