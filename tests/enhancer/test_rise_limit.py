@@ -59,6 +59,23 @@ def test_matches_the_frame_by_frame_reference_in_any_chunking():
     np.testing.assert_allclose(np.concatenate(parts), ref, rtol=1e-9, atol=0)
 
 
+def test_offline_reference_runs_long_inputs_in_chunks(torch_model):
+    """`TIMNet.output_gain` runs the limit in chunks of `LIMIT_FRAMES` (its cost grows with T^2 per
+    call); the result is the frame-by-frame reference's, then raised to the exponent."""
+    from enhancer.model.net import LIMIT_FRAMES
+
+    model = copy.deepcopy(torch_model)
+    model.config = dataclasses.replace(model.config, rise_limit_gain=0.5, gain_exponent=1.25)
+    rng = np.random.default_rng(3)
+    t = 2 * LIMIT_FRAMES + 37
+    gains = rng.uniform(0, 1, (t, model.config.n_freqs)) ** 2
+    power = rng.uniform(0, 1, gains.shape) * rng.uniform(0.01, 10, (t, 1))
+    got = model.output_gain(torch.from_numpy(gains)[None], torch.from_numpy(power)[None])[0].numpy()
+    np.testing.assert_allclose(got, reference(model.config, gains, power) ** 1.25, rtol=1e-9, atol=0)
+    with pytest.raises(ValueError, match="power"):
+        model.output_gain(torch.from_numpy(gains)[None])
+
+
 def test_a_burst_in_noise_is_held_down_and_speech_passes():
     """A low gain that jumps for one frame where the stream is noisy stays at the previous frame's;
     the same jump in a clean stream, and any gain above `rise_limit_gain`, pass unchanged."""
