@@ -110,7 +110,7 @@ class TIMNet(nn.Module):
         spec = spec[:, : gains.shape[1]]
         power = spec.real ** 2 + spec.imag ** 2 if self.config.rise_limit_gain > 0 else None
         gains = self.output_gain(gains, power).clamp_min(min_gain)
-        return features.istft(spec[:, : gains.shape[1]] * gains, n, cfg.stft)
+        return features.istft(spec * gains, n, cfg.stft)
 
 
 def count_parameters(model: nn.Module) -> int:

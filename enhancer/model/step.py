@@ -66,7 +66,7 @@ class StreamingStep(nn.Module):
     def forward(self, hops, min_gain, pos, *caches):
         cfg, net, f = self.config, self.net, self.f
         n_state = len(state_specs(cfg))
-        n_conv = len(cfg.conv_channels)
+        n_conv = self.n_conv
         prev_hop, spec_delay = caches[:2]
         tails, ola, limit_state = caches[2:2 + n_conv], caches[2 + n_conv], caches[3 + n_conv:n_state]
         rings = caches[n_state:]
