@@ -107,7 +107,8 @@ def cmd_export(a) -> int:
     if not a.quiet:
         print(f"loading {a.checkpoint}", file=sys.stderr, flush=True)
     model = load_checkpoint(a.checkpoint)
-    post = {k: v for k, v in (("gain_exponent", a.gain_exponent), ("rise_limit_gain", a.rise_limit)) if v is not None}
+    post = {k: v for k, v in (("gain_exponent", a.gain_exponent), ("rise_limit_gain", a.rise_limit),
+                              ("pitch_filter", a.pitch_filter)) if v is not None}
     if post:
         try:
             model.config = dataclasses.replace(model.config, **post)
@@ -325,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--rise-limit", type=float, default=None, metavar="G",
                    help="in noisy streams, keep network gains below G from rising above the previous frame's "
                         "(removes bursts of residual noise; 0 = off); default: the checkpoint's")
+    e.add_argument("--pitch-filter", type=float, default=None, metavar="S",
+                   help="in voiced frames, mix the noisy spectrum with the input one pitch period earlier, with "
+                        "strength S, before the gains apply (removes noise between the voice's harmonics; 0 = off); "
+                        "default: the checkpoint's")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (the JSON report still goes to stdout)")
     e.add_argument("--save-checkpoint", default=None, metavar="PT",
                    help="also write the exported weights as a torch checkpoint without training state")

@@ -85,6 +85,10 @@ class ModelConfig:
     rise_limit_gain: float = 0.0
     rise_limit_snr_db: tuple[float, float] = (-6.0, 3.0)  # applied in full at or below the first, not at all from the second
     rise_limit_seconds: float = 0.5  # time constant of its running estimate of the stream's SNR
+    # the pitch filter (`enhancer.model.pitchfilter`): in voiced frames, the noisy spectrum is mixed
+    # with the input one pitch period earlier before the gains apply; the mixing strength (0: off)
+    pitch_filter: float = 0.0
+    pitch_filter_voicing: float = 0.6  # frames whose pitch correlation is above this are voiced
     stft: STFTConfig = field(default_factory=STFTConfig)
 
     # ----------------------------------------------------------------- presets
@@ -159,6 +163,12 @@ class ModelConfig:
             problems.append(f"rise_limit_snr_db must be two increasing values in dB, got {self.rise_limit_snr_db}")
         if not self.rise_limit_seconds > 0:
             problems.append(f"rise_limit_seconds must be > 0, got {self.rise_limit_seconds}")
+        if not 0.0 <= self.pitch_filter <= 2.0:
+            problems.append(f"pitch_filter must be in [0, 2], got {self.pitch_filter}")
+        if not 0.0 <= self.pitch_filter_voicing < 1.0:
+            problems.append(f"pitch_filter_voicing must be in [0, 1), got {self.pitch_filter_voicing}")
+        if self.pitch_filter and (self.stft.sample_rate != 16000 or self.stft.n_fft != 2 * self.stft.hop):
+            problems.append("the pitch filter needs 16 kHz frames of two hops")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -169,6 +179,9 @@ class ModelConfig:
         d["rise_limit_snr_db"] = list(self.rise_limit_snr_db)
         if not self.rise_limit_gain:  # off: stored as before the rise limit existed
             for k in ("rise_limit_gain", "rise_limit_snr_db", "rise_limit_seconds"):
+                del d[k]
+        if not self.pitch_filter:  # off: stored as before the pitch filter existed
+            for k in ("pitch_filter", "pitch_filter_voicing"):
                 del d[k]
         # stored under its old name: checkpoints and exported models keep the format older runtimes read
         return {STORED_AS.get(k, k): v for k, v in d.items()}

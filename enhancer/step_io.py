@@ -22,7 +22,8 @@ from .config import ModelConfig
 STEP_FORMAT = "3"
 
 INPUTS = ("hops", "min_gain", "pos")  # then the caches (`cache_specs`)
-NEXT = "_next"  # an updated state cache is output as its input's name + NEXT
+NEXT = "_next"
+PITCH_LAG_MAX = 320  # `enhancer.model.pitchfilter.LAG_MAX` (this module stays free of torch)  # an updated state cache is output as its input's name + NEXT
 
 
 def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -33,6 +34,10 @@ def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     specs.append(("ola", (cfg.stft.hop,)))
     if cfg.rise_limit_gain > 0:  # the rise limit's state (`enhancer.model.postfilter`)
         specs += [("prev_gain", (cfg.n_freqs,)), ("energy", (2,))]
+    if cfg.pitch_filter > 0:  # the pitch filter's histories (`enhancer.model.pitchfilter`)
+        history = PITCH_LAG_MAX + cfg.stft.n_fft
+        specs += [("pitch_x", (history + (cfg.lookahead - 1) * cfg.stft.hop,)), ("pitch_y", (history - cfg.stft.hop,)),
+                  ("pitch_ola", (cfg.stft.hop,))]
     return specs
 
 

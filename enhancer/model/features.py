@@ -27,12 +27,18 @@ def stft(x: torch.Tensor, cfg: STFTConfig = STFTConfig(), n_frames: int | None =
 
 def istft(spec: torch.Tensor, n_samples: int, cfg: STFTConfig = STFTConfig()) -> torch.Tensor:
     """Inverse of `stft`: complex (..., T, F) -> (..., n_samples)."""
+    return overlap_add(spec, cfg)[..., cfg.hop:cfg.hop + n_samples]
+
+
+def overlap_add(spec: torch.Tensor, cfg: STFTConfig = STFTConfig()) -> torch.Tensor:
+    """complex (..., T, F) -> (..., (T + 1) * hop): every frame's samples, from one hop before the
+    signal of `stft` starts (frame 0's first half)."""
     lead, t = spec.shape[:-2], spec.shape[-2]
     frames = torch.fft.irfft(spec.reshape(-1, t, cfg.n_freqs), n=cfg.n_fft) * window(cfg, spec.device)
     out = torch.nn.functional.fold(
         frames.transpose(1, 2), output_size=(1, (t + 1) * cfg.hop), kernel_size=(1, cfg.n_fft), stride=(1, cfg.hop)
-    )  # overlap-add: (B, 1, 1, (T+1)*hop)
-    return out.reshape(*lead, -1)[..., cfg.hop:cfg.hop + n_samples]
+    )  # (B, 1, 1, (T+1)*hop)
+    return out.reshape(*lead, -1)
 
 
 def log_magnitude(spec: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from . import features
+from . import features, pitchfilter
 from .blocks import EncoderBlock
 from .layers import window_mask
 from .postfilter import rise_limit
@@ -110,6 +110,8 @@ class TIMNet(nn.Module):
         spec = spec[:, : gains.shape[1]]
         power = spec.real ** 2 + spec.imag ** 2 if self.config.rise_limit_gain > 0 else None
         gains = self.output_gain(gains, power).clamp_min(min_gain)
+        if cfg.pitch_filter > 0:
+            spec = pitchfilter.filter_offline(cfg, wav, spec, gains)
         return features.istft(spec * gains, n, cfg.stft)
 
 

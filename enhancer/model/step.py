@@ -19,6 +19,10 @@ State caches (returned updated, fixed shape, zero for a fresh stream), in this o
     ola        (B, 256)               overlap-add tail of the previous output frame
     prev_gain  (B, F)                 the network's gains of the previous frame   } models with the rise
     energy     (B, 2)                 running energies kept and removed            } limit only (`postfilter`)
+    pitch_x    (B, HISTORY + (L-1)*256)  noisy input before the call's hops        } models with the pitch
+    pitch_y    (B, HISTORY - 256)     output without the pitch filter, before the  } filter only
+                                      call's first frame                           } (`pitchfilter`)
+    pitch_ola  (B, 256)               overlap-add tail of that output              }
 Key/value ring buffers (read by the graph, written by the caller in place):
     k0..k7, v0..v7  (B, H, W, dh)     slot `p % W` holds frame p's key/value
 Outputs, named (`enhancer.step_io.output_names`; read them by name with `StepOutputs.decode`):
@@ -44,6 +48,7 @@ from ..step_io import has_competition, state_specs
 from .blocks import chunk_bias, ring_bias
 from .features import dft_bases
 from .net import TIMNet
+from . import pitchfilter
 from .postfilter import rise_limit
 
 
@@ -62,13 +67,21 @@ class StreamingStep(nn.Module):
         self.n_conv = len(cfg.conv_channels)
         self.with_comp = has_competition(cfg)
         self.f = f
+        if cfg.pitch_filter > 0:
+            k = pitchfilter.Constants(cfg)
+            self.register_buffer("pitch_window", k.window)
+            self.register_buffer("pitch_member", k.member)
+            self.register_buffer("pitch_interp", k.interp)
+            self.register_buffer("pitch_rows", k.rows)
 
     def forward(self, hops, min_gain, pos, *caches):
         cfg, net, f = self.config, self.net, self.f
         n_state = len(state_specs(cfg))
         n_conv = self.n_conv
         prev_hop, spec_delay = caches[:2]
-        tails, ola, limit_state = caches[2:2 + n_conv], caches[2 + n_conv], caches[3 + n_conv:n_state]
+        tails, ola, post = caches[2:2 + n_conv], caches[2 + n_conv], caches[3 + n_conv:n_state]
+        n_limit = 2 if cfg.rise_limit_gain > 0 else 0
+        limit_state, pitch_state = post[:n_limit], post[n_limit:]
         rings = caches[n_state:]
         ks, vs = rings[: cfg.n_layers], rings[cfg.n_layers:]
         la, hop_n = cfg.lookahead, cfg.stft.hop
@@ -102,6 +115,8 @@ class StreamingStep(nn.Module):
         plain = cfg.gain_exponent == 1.0 and not limit_state
         speech = gain if plain else torch.maximum(net_gain, min_gain[:, None, None])
         frame = (applied * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
+        if pitch_state:  # the pitch filter (`enhancer.model.pitchfilter`) on the frames the gains apply to
+            frame, pitch_state = self._pitch_filter(hops, applied, gain, frame, *pitch_state)
         overlap = ola[:, None] if t == 1 else torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1)  # (B, T, hop)
         out = overlap + frame[..., :hop_n]  # (B, T, hop)
         activity = speech[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
@@ -110,4 +125,19 @@ class StreamingStep(nn.Module):
         if self.with_comp:
             head.append(torch.stack(comps, dim=1).reshape(hops.shape[0], t, len(comps), -1))  # (B, T, n_tim, n_s)
         head += [activity, kv_rows]
-        return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:], *limit_state])
+        return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:], *limit_state,
+                             *pitch_state])
+
+    def _pitch_filter(self, hops, applied, gain, plain, noisy_tail, plain_tail, plain_ola):
+        """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
+        without it, whose overlap-add (tail `plain_ola`) is the output its pitch estimate reads."""
+        b, t, hop_n = hops.shape
+        overlap = plain_ola[:, None] if t == 1 else torch.cat([plain_ola[:, None], plain[:, :-1, hop_n:]], dim=1)
+        noisy = torch.cat([noisy_tail, hops.reshape(b, -1)], dim=1)  # (B, S_x + T*hop)
+        out = torch.cat([plain_tail, (overlap + plain[..., :hop_n]).reshape(b, -1)], dim=1)  # (B, S_y + T*hop)
+        idx = torch.arange(t, device=hops.device)[:, None] * hop_n + torch.arange(pitchfilter.HISTORY, device=hops.device)
+        filtered = pitchfilter.apply(self.config, applied, gain, noisy[:, idx], out[:, idx], self.pitch_window,
+                                     self.fwd_basis, self.pitch_member, self.pitch_interp, self.pitch_rows)
+        frame = (filtered * torch.cat([gain, gain], dim=-1)) @ self.inv_basis
+        state = [noisy[:, -noisy_tail.shape[1]:], out[:, -plain_tail.shape[1]:], plain[:, -1, hop_n:]]
+        return frame, state

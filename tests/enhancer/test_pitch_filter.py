@@ -1,0 +1,223 @@
+"""The pitch filter (`enhancer.model.pitchfilter`): the pitch search against a direct numpy YIN, the
+comb against a direct numpy reference, what it does to a voice in noise, and the same output from
+the offline torch reference, the torch step hop by hop and in chunks, the exported graph through
+the runtime (streams in random chunks, batched lanes) and the CLI."""
+import copy
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from enhancer import ModelConfig
+from enhancer.cli import main as cli_main
+from enhancer.model import pitchfilter as pf
+from enhancer.model.features import window
+from enhancer.export import MAX_REL_DIFF
+from enhancer.runtime import Enhancer, LanePool
+from enhancer.step_io import state_specs
+from tests.conftest import runtime_of, speechlike
+from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
+from tests.tolerance import assert_close_to_peak, assert_differs
+
+CFG = ModelConfig.preset("tim", pitch_filter=0.7)
+SR = 16000
+
+
+def voiced(n: int, f0: float, seed: int = 0, snr_db: float | None = None) -> np.ndarray:
+    """A harmonic tone at f0 (20 harmonics, falling 6 dB per octave), with white noise at snr_db."""
+    t = np.arange(n) / SR
+    x = sum(np.sin(2 * np.pi * k * f0 * t + k) / k for k in range(1, 21) if k * f0 < SR / 2)
+    x = 0.1 * x / np.abs(x).max()
+    if snr_db is not None:
+        noise = np.random.default_rng(seed).standard_normal(n)
+        x = x + noise * np.sqrt((x ** 2).mean() / (noise ** 2).mean() / 10 ** (snr_db / 10))
+    return x.astype(np.float32)
+
+
+def yin_reference(frame_hist: np.ndarray, win: np.ndarray) -> tuple[int, float]:
+    """YIN on one history (LAG_MAX + n_fft samples), written lag by lag."""
+    n = len(win)
+    cur = frame_hist[-n:] * win
+    d, nc = [], []
+    for lag in range(1, pf.LAG_MAX + 1):
+        past = frame_hist[pf.LAG_MAX - lag: pf.LAG_MAX - lag + n] * win
+        d.append(((cur - past) ** 2).sum())
+        nc.append((cur * past).sum() / np.sqrt((cur ** 2).sum() * (past ** 2).sum() + 1e-12))
+    d = np.array(d)
+    cm = d * np.arange(1, pf.LAG_MAX + 1) / np.maximum(np.cumsum(d), 1e-12)
+    sub = cm[pf.LAG_MIN - 1:]
+    below = np.nonzero(sub < pf.YIN_THRESHOLD)[0]
+    if len(below):
+        j = below[0]
+        while j + 1 < len(sub) and sub[j + 1] < sub[j]:
+            j += 1
+    else:
+        j = int(sub.argmin())
+    return j + pf.LAG_MIN, nc[j + pf.LAG_MIN - 1]
+
+
+@pytest.mark.parametrize("f0", [80.0, 123.0, 210.0, 390.0])
+def test_pitch_search_finds_the_period_and_matches_the_reference(f0):
+    n = pf.HISTORY
+    x = voiced(4 * n, f0, snr_db=10)
+    win = window(CFG.stft).numpy().astype(np.float64)
+    hists = np.stack([x[i * 300: i * 300 + n] for i in range(5)]).astype(np.float64)
+    rows = torch.from_numpy(pf.lag_rows(CFG.stft.n_fft))
+    lag, voicing = pf.yin(torch.from_numpy(hists)[None], torch.from_numpy(win), rows)
+    for h, got_lag, got_v in zip(hists, lag[0].numpy(), voicing[0].numpy()):
+        ref_lag, ref_v = yin_reference(h, win)
+        assert got_lag == ref_lag
+        assert got_v == pytest.approx(ref_v, rel=1e-9)
+        assert abs(got_lag - SR / f0) <= 1.0  # the period, not a multiple or a fraction of it
+        assert got_v > 0.6
+
+
+def comb_reference(cfg, x, p, gain, voiced_):
+    """The comb of one frame, band by band (x, p complex (F,), gain (F,))."""
+    member, interp = pf.bands(cfg)
+    f = cfg.n_freqs
+    r = np.zeros(member.shape[1])
+    for b in range(member.shape[1]):
+        k = member[:, b] > 0
+        ex, ep = (np.abs(x[k]) ** 2).sum(), (np.abs(p[k]) ** 2).sum()
+        c = (x[k] * p[k].conj()).real.sum() / np.sqrt(ex * ep + 1e-12)
+        g = np.sqrt((gain[k] ** 2 * np.abs(x[k]) ** 2).sum() / (ex + 1e-12))
+        rb = 1.0 if c > g else np.clip(c * c * (1 - g * g) / (1e-3 + g * g * (1 - c * c)), 0, 1)
+        r[b] = np.sqrt(rb) * np.sqrt(ex / (ep + 1e-8)) * cfg.pitch_filter * (c > 0) * voiced_
+    y = x + (r @ interp) * p
+    e = np.array([(np.abs(y[member[:, b] > 0]) ** 2).sum() for b in range(member.shape[1])])
+    ex = np.abs(x) ** 2 @ member
+    return y * (np.sqrt(ex / (e + 1e-8)) @ interp)[:f]
+
+
+def test_comb_matches_the_band_by_band_reference():
+    rng = np.random.default_rng(2)
+    f = CFG.n_freqs
+    x = rng.standard_normal((3, f)) + 1j * rng.standard_normal((3, f))
+    p = 0.7 * x + 0.5 * (rng.standard_normal((3, f)) + 1j * rng.standard_normal((3, f)))  # correlated
+    gain = rng.uniform(0, 1, (3, f))
+    v = np.array([1.0, 1.0, 0.0])
+    ri = lambda z: torch.from_numpy(np.concatenate([z.real, z.imag], -1))[None]  # noqa: E731
+    member, interp = (torch.from_numpy(a).double() for a in pf.bands(CFG))
+    got = pf.comb(CFG, ri(x), ri(p), torch.from_numpy(gain)[None], torch.from_numpy(v)[None], member, interp)[0].numpy()
+    got = got[:, :f] + 1j * got[:, f:]
+    for t in range(3):
+        ref = comb_reference(CFG, x[t], p[t], gain[t], v[t])
+        np.testing.assert_allclose(got[t], ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
+    np.testing.assert_allclose(got[2], x[2], rtol=1e-7)  # unvoiced: unchanged
+    # the frame's energy is kept (the bands' rescaling is interpolated between their centres)
+    np.testing.assert_allclose((np.abs(got[:2]) ** 2).sum(-1), (np.abs(x[:2]) ** 2).sum(-1), rtol=0.05)
+
+
+def harmonic_to_noise_db(y, clean, f0):
+    """Energy at the harmonics of f0 over the energy between them, 0.2 to 4 kHz, over the file."""
+    spec = np.abs(np.fft.rfft(y * np.hanning(len(y)))) ** 2
+    hz = np.fft.rfftfreq(len(y), 1 / SR)
+    band = (hz > 200) & (hz < 4000)
+    dist = np.abs(((hz / f0 + 0.5) % 1.0) - 0.5) * f0  # distance to the nearest harmonic, Hz
+    return 10 * np.log10(spec[band & (dist < 5)].sum() / spec[band & (dist > 30)].sum())
+
+
+def test_removes_noise_between_harmonics_and_keeps_the_voice(torch_model):
+    """A voiced tone in white noise at 5 dB, with gains that keep the noise's bins at 0.5: the filter
+    raises the harmonic-to-noise ratio, keeps the harmonics' energy, and leaves unvoiced noise alone."""
+    from enhancer.model.features import istft, stft
+
+    f0, n = 150.0, SR * 2
+    clean = voiced(n, f0)
+    noisy = voiced(n, f0, seed=3, snr_db=5)
+    wav = torch.from_numpy(noisy)[None]
+    spec = stft(wav, CFG.stft)
+    gains = torch.full(spec.shape, 0.5)
+    out = istft(pf.filter_offline(CFG, wav, spec, gains) * gains, n, CFG.stft)[0].numpy()
+    plain = istft(spec * gains, n, CFG.stft)[0].numpy()
+    core = slice(SR // 4, n - SR // 4)
+    gain_db = harmonic_to_noise_db(out[core], clean[core], f0) - harmonic_to_noise_db(plain[core], clean[core], f0)
+    assert gain_db > 1.0, gain_db  # (one period-delayed copy at strength 0.7: at most 10 log10(1 + 0.7^2))
+    assert 10 * np.log10((out[core] ** 2).sum() / (plain[core] ** 2).sum()) == pytest.approx(0.0, abs=1.0)
+    noise = np.random.default_rng(4).standard_normal(n).astype(np.float32) * 0.03  # no voice: untouched
+    wav = torch.from_numpy(noise)[None]
+    spec = stft(wav, CFG.stft)
+    y = pf.filter_offline(CFG, wav, spec, gains)
+    np.testing.assert_allclose(y.numpy(), spec.numpy(), rtol=0, atol=1e-6 * spec.abs().max().item())
+
+
+def test_off_by_default_and_stored_only_when_on():
+    assert ModelConfig.preset("tim").pitch_filter == 0.0
+    assert "pitch_filter" not in ModelConfig.preset("tim").to_dict()
+    assert "pitch_x" not in [n for n, _ in state_specs(ModelConfig.preset("tim"))]
+    d = CFG.to_dict()
+    assert d["pitch_filter"] == 0.7 and ModelConfig.from_dict(json.loads(json.dumps(d))) == CFG
+    assert [n for n, _ in state_specs(CFG)][-3:] == ["pitch_x", "pitch_y", "pitch_ola"]
+
+
+@pytest.mark.parametrize("bad", [dict(pitch_filter=-0.1), dict(pitch_filter=3.0),
+                                 dict(pitch_filter=0.5, pitch_filter_voicing=1.0)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError, match="pitch_filter"):
+        ModelConfig.preset("tim", **bad)
+
+
+@pytest.fixture(scope="module")
+def filtered(torch_model):
+    model = copy.deepcopy(torch_model)
+    model.config = dataclasses.replace(model.config, pitch_filter=0.7, rise_limit_gain=0.3, gain_exponent=1.25)
+    return model
+
+
+@pytest.fixture(scope="module")
+def filtered_rt(filtered, tmp_path_factory):
+    return runtime_of(filtered, tmp_path_factory.mktemp("pitch"))
+
+
+def test_step_graph_matches_torch(filtered, torch_model, filtered_rt, rng):
+    x = voiced(SR * 3, 140.0, snr_db=5) + speechlike(SR * 3, seed=2) * 0.5
+    offline = filtered.enhance(torch.from_numpy(x)[None])[0].numpy()
+    plain = copy.deepcopy(filtered)
+    plain.config = dataclasses.replace(filtered.config, pitch_filter=0.0)
+    assert_differs(offline, plain.enhance(torch.from_numpy(x)[None])[0].numpy())  # the filter acts
+    assert_close_to_peak(torch_streaming(filtered, x), offline)  # the torch step, hop by hop
+    assert_close_to_peak(torch_streaming(filtered, x, chunks=[5, 1, 17, 200]), offline)  # and in chunks
+    assert_close_to_peak(stream_through(filtered_rt.stream(), x, random_chunks(len(x), rng)), offline)
+    assert_close_to_peak(filtered_rt.enhance(x, SR), offline)
+
+
+def test_lanes_keep_their_own_state(filtered, filtered_rt):
+    """Two voices batched in one pool, one started later: each gets its own offline output."""
+    hop = filtered.config.stft.hop
+    a, b = voiced(SR, 120.0, seed=1, snr_db=5), voiced(SR, 230.0, seed=2, snr_db=0) * 0.3
+    pool = LanePool(filtered_rt.engine, 2)
+    lanes, no_limit = pool.alloc(2), np.zeros(2, np.float32)
+    outs = [[], []]
+    late = 10  # stream b starts 10 hops after a
+    for k in range(len(a) // hop + late):
+        if k < late:
+            outs[0].append(pool.step(lanes[:1], a[None, k * hop:(k + 1) * hop], no_limit[:1]).out[0])
+            continue
+        j = k - late
+        h = np.stack([a[k * hop:(k + 1) * hop] if k < len(a) // hop else np.zeros(hop, np.float32),
+                      b[j * hop:(j + 1) * hop]])
+        r = pool.step(lanes, h, no_limit)
+        outs[0].append(r.out[0])
+        outs[1].append(r.out[1])
+    d = filtered.config.delay_samples
+    for x, out in zip((a, b), outs):
+        n = len(x) // hop * hop - d
+        y = np.concatenate(out)[d:d + n]
+        assert_close_to_peak(y, filtered.enhance(torch.from_numpy(x)[None])[0].numpy()[:n])
+
+
+def test_export_command_sets_the_filter(torch_model, tmp_path, capsys):
+    from enhancer.checkpoint import load_checkpoint, save_checkpoint
+
+    pt = save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
+    out = tmp_path / "m.onnx"
+    assert cli_main(["export", str(pt), "-o", str(out), "--pitch-filter", "0.5", "-q",
+                     "--save-checkpoint", str(tmp_path / "pf.pt")]) == 0
+    assert json.loads(capsys.readouterr().out)["max_rel_diff"] <= MAX_REL_DIFF
+    assert Enhancer.from_pretrained(out, providers=["CPUExecutionProvider"]).config.pitch_filter == 0.5
+    assert load_checkpoint(tmp_path / "pf.pt").config.pitch_filter == 0.5
+    assert cli_main(["export", str(pt), "-o", str(out), "--pitch-filter", "5", "-q"]) != 0
+    assert "pitch_filter" in capsys.readouterr().err
