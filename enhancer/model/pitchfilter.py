@@ -61,23 +61,50 @@ def bands(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return member.astype(np.float32), interp.astype(np.float32)
 
 
-def lag_rows(n_fft: int) -> np.ndarray:
-    """(LAG_MAX + 1, n_fft) indices into a history of LAG_MAX + n_fft samples: row l is the frame
-    l samples before the last n_fft samples (row 0: the last frame itself)."""
-    return (LAG_MAX - np.arange(LAG_MAX + 1))[:, None] + np.arange(n_fft)[None, :]
+CORR_FFT = 1024  # the correlations over the history are products of DFTs this long (>= LAG_MAX + n_fft)
 
 
-def yin(history: torch.Tensor, window: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Real matrices that compute, for a history h of LAG_MAX + n samples (n = len(window)), the
+    correlations sum_i h[s + i] k[i] at shifts s = 0..LAG_MAX with DFTs of CORR_FFT points: `fwd`
+    (LAG_MAX + n, 2K) [re | im] of the zero-padded h (its first n rows give a kernel's), `inv` (2K,
+    LAG_MAX + 1) from the product spectrum [re | im] back to the shifts, and `win2` (2K,) the DFT of
+    window^2, the kernel of the windowed energies."""
+    n, m = len(window), LAG_MAX + len(window)
+    k = CORR_FFT // 2 + 1
+    t = np.arange(m)[:, None]
+    ang = 2.0 * np.pi * t * np.arange(k)[None, :] / CORR_FFT
+    fwd = np.concatenate([np.cos(ang), -np.sin(ang)], axis=1)
+    a = np.full(k, 2.0)
+    a[0] = a[-1] = 1.0
+    s = np.arange(LAG_MAX + 1)[None, :]
+    ang_s = 2.0 * np.pi * np.arange(k)[:, None] * s / CORR_FFT
+    inv = np.concatenate([a[:, None] * np.cos(ang_s), -a[:, None] * np.sin(ang_s)], axis=0) / CORR_FFT
+    win2 = (window.astype(np.float64) ** 2) @ fwd[:n]
+    return fwd.astype(np.float32), inv.astype(np.float32), win2.astype(np.float32)
+
+
+def _correlate(h_spec: torch.Tensor, k_spec: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """[re | im] spectra of a history and a kernel (..., 2K) -> their correlation at every shift."""
+    k = h_spec.shape[-1] // 2
+    hr, hi, kr, ki = h_spec[..., :k], h_spec[..., k:], k_spec[..., :k], k_spec[..., k:]
+    return torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1) @ inv
+
+
+def yin(history: torch.Tensor, window: torch.Tensor, fwd: torch.Tensor, inv: torch.Tensor,
+        win2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """history (B, T, LAG_MAX + n_fft): for each frame, the samples of the window to analyse (the
-    last n_fft) and the LAG_MAX before them. Returns the pitch lag (B, T) int64 in [LAG_MIN,
-    LAG_MAX] and the normalised correlation (B, T) of the windowed frame with the frame one lag
-    earlier (the voicing)."""
-    fr = history[..., rows] * window  # (B, T, LAG_MAX + 1, n_fft)
-    cur, past = fr[..., 0, :], fr[..., 1:, :]
-    corr = (past * cur[..., None, :]).sum(-1)  # (B, T, LAG_MAX): lags 1..LAG_MAX
-    e_past = (past * past).sum(-1)
-    e_cur = (cur * cur).sum(-1, keepdim=True)
-    diff = e_cur + e_past - 2.0 * corr
+    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `win2`: `correlation_bases(window)`.
+    Returns the pitch lag (B, T) int64 in [LAG_MIN, LAG_MAX] and the normalised correlation (B, T)
+    of the windowed frame with the windowed frame one lag earlier (the voicing)."""
+    n = window.shape[0]
+    kernel = history[..., LAG_MAX:] * window * window  # windowed frame x window: sum h[s+i] w[i] * cur[i] w[i]
+    by_shift = _correlate(history @ fwd, kernel @ fwd[:n], inv)  # (B, T, LAG_MAX + 1): shift s is lag LAG_MAX - s
+    energy = _correlate((history * history) @ fwd, win2, inv)  # windowed energy of the frame at each shift
+    corr = torch.flip(by_shift[..., :LAG_MAX], dims=[-1])  # lags 1..LAG_MAX
+    e_past = torch.flip(energy[..., :LAG_MAX], dims=[-1]).clamp(min=0.0)
+    e_cur = energy[..., LAG_MAX:].clamp(min=0.0)
+    diff = torch.clamp(e_cur + e_past - 2.0 * corr, min=0.0)
     lags = torch.arange(1, LAG_MAX + 1, device=history.device, dtype=history.dtype)
     cmnd = diff * lags / torch.clamp(torch.cumsum(diff, dim=-1), min=1e-12)  # YIN's normalised difference
     sub = cmnd[..., LAG_MIN - 1:]  # lags LAG_MIN..LAG_MAX
@@ -125,34 +152,35 @@ def comb(cfg: ModelConfig, x: torch.Tensor, p: torch.Tensor, gain: torch.Tensor,
 
 # samples per frame the filter reads: the analysed window and LAG_MAX before it (n_fft 512)
 HISTORY = LAG_MAX + 512
-CHUNK_FRAMES = 64  # frames per chunk offline (the pitch search reads (LAG_MAX + 1) x n_fft per frame)
+CHUNK_FRAMES = 128  # frames per chunk offline
 
 
 class Constants:
-    """The filter's fixed tensors: the analysis window, the DFT basis, the bands, the lag rows."""
+    """The filter's fixed tensors: the analysis window, the DFT basis, the bands, the correlation bases."""
 
     def __init__(self, cfg: ModelConfig, device=None):
         from .features import dft_bases, window
 
         member, interp = bands(cfg)
-        self.window = window(cfg.stft, device).float()
+        win = window(cfg.stft, device).float()
+        self.window = win
         self.fwd = torch.from_numpy(dft_bases(cfg.stft)[0]).to(device)
         self.member, self.interp = torch.from_numpy(member).to(device), torch.from_numpy(interp).to(device)
-        self.rows = torch.from_numpy(lag_rows(cfg.stft.n_fft)).to(device)
+        self.corr_fwd, self.corr_inv, self.corr_win2 = (torch.from_numpy(a).to(device)
+                                                        for a in correlation_bases(win.cpu().numpy()))
 
 
 def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: torch.Tensor, plain_hist: torch.Tensor,
-          window: torch.Tensor, fwd: torch.Tensor, member: torch.Tensor, interp: torch.Tensor,
-          rows: torch.Tensor) -> torch.Tensor:
+          k) -> torch.Tensor:
     """x (B, T, 2F) [re | im]: the noisy frames the gains (B, T, F) apply to; noisy_hist (B, T,
     HISTORY): per frame, the noisy input of its window and the LAG_MAX samples before; plain_hist
     (B, T, HISTORY): the enhanced output without the filter that ends where the frame's first hop of
-    output does (the previous frame's window and the LAG_MAX samples before). Returns the filtered
-    frames (B, T, 2F)."""
-    lag, voicing = yin(plain_hist, window, rows)
+    output does (the previous frame's window and the LAG_MAX samples before); k: the `Constants`
+    (or a module holding them under the same names). Returns the filtered frames (B, T, 2F)."""
+    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_win2)
     voiced = (voicing > cfg.pitch_filter_voicing).to(x.dtype)
-    p = lagged(noisy_hist, lag, cfg.stft.n_fft) @ fwd
-    return comb(cfg, x, p, gain, voiced, member, interp)
+    p = lagged(noisy_hist, lag, cfg.stft.n_fft) @ k.fwd
+    return comb(cfg, x, p, gain, voiced, k.member, k.interp)
 
 
 def frames_at(signal: torch.Tensor, n_frames: int, hop: int) -> torch.Tensor:
@@ -184,8 +212,7 @@ def filter_offline(cfg: ModelConfig, wav: torch.Tensor, spec: torch.Tensor, gain
         n = min(CHUNK_FRAMES, t - s)
         nh = frames_at(noisy[:, s * hop:], n, hop)
         ph = frames_at(plain[:, s * hop:], n, hop)
-        out.append(apply(cfg, x[:, s:s + n], gains[:, s:s + n].float(), nh, ph, k.window, k.fwd, k.member,
-                         k.interp, k.rows))
+        out.append(apply(cfg, x[:, s:s + n], gains[:, s:s + n].float(), nh, ph, k))
     y = torch.cat(out, dim=1)
     f = cfg.n_freqs
     return torch.complex(y[..., :f], y[..., f:])

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 from ..step_io import has_competition, state_specs
+from . import pitchfilter
 from .blocks import chunk_bias, ring_bias
 from .features import dft_bases
 from .net import TIMNet
-from . import pitchfilter
 from .postfilter import rise_limit
 
 
@@ -67,12 +67,10 @@ class StreamingStep(nn.Module):
         self.n_conv = len(cfg.conv_channels)
         self.with_comp = has_competition(cfg)
         self.f = f
-        if cfg.pitch_filter > 0:
+        if cfg.pitch_filter > 0:  # the pitch filter's constants, under the names `pitchfilter.apply` reads
             k = pitchfilter.Constants(cfg)
-            self.register_buffer("pitch_window", k.window)
-            self.register_buffer("pitch_member", k.member)
-            self.register_buffer("pitch_interp", k.interp)
-            self.register_buffer("pitch_rows", k.rows)
+            for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_win2"):
+                self.register_buffer("pitch_" + name, getattr(k, name))
 
     def forward(self, hops, min_gain, pos, *caches):
         cfg, net, f = self.config, self.net, self.f
@@ -136,8 +134,16 @@ class StreamingStep(nn.Module):
         noisy = torch.cat([noisy_tail, hops.reshape(b, -1)], dim=1)  # (B, S_x + T*hop)
         out = torch.cat([plain_tail, (overlap + plain[..., :hop_n]).reshape(b, -1)], dim=1)  # (B, S_y + T*hop)
         idx = torch.arange(t, device=hops.device)[:, None] * hop_n + torch.arange(pitchfilter.HISTORY, device=hops.device)
-        filtered = pitchfilter.apply(self.config, applied, gain, noisy[:, idx], out[:, idx], self.pitch_window,
-                                     self.fwd_basis, self.pitch_member, self.pitch_interp, self.pitch_rows)
+        filtered = pitchfilter.apply(self.config, applied, gain, noisy[:, idx], out[:, idx], _PitchConstants(self))
         frame = (filtered * torch.cat([gain, gain], dim=-1)) @ self.inv_basis
         state = [noisy[:, -noisy_tail.shape[1]:], out[:, -plain_tail.shape[1]:], plain[:, -1, hop_n:]]
         return frame, state
+
+
+class _PitchConstants:
+    """The step's buffers under the names `pitchfilter.apply` reads (traced as the graph's initializers)."""
+
+    def __init__(self, step: StreamingStep):
+        self.fwd = step.fwd_basis
+        for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_win2"):
+            setattr(self, name, getattr(step, "pitch_" + name))
