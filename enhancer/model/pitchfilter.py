@@ -92,14 +92,17 @@ def _correlate(h_spec: torch.Tensor, k_spec: torch.Tensor, inv: torch.Tensor) ->
 
 
 def yin(history: torch.Tensor, window: torch.Tensor, fwd: torch.Tensor, inv: torch.Tensor,
-        win2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        win2: torch.Tensor, kernel_fwd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """history (B, T, LAG_MAX + n_fft): for each frame, the samples of the window to analyse (the
-    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `win2`: `correlation_bases(window)`.
+    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `win2`: `correlation_bases(window)`;
+    `kernel_fwd`: the first n_fft rows of `fwd` (a tensor of its own, so that the exported graph
+    holds it as a named constant and keeps it float: `enhancer.quantize.KEEP_FLOAT`).
     Returns the pitch lag (B, T) int64 in [LAG_MIN, LAG_MAX] and the normalised correlation (B, T)
     of the windowed frame with the windowed frame one lag earlier (the voicing)."""
     n = window.shape[0]
     kernel = history[..., LAG_MAX:] * window * window  # windowed frame x window: sum h[s+i] w[i] * cur[i] w[i]
-    by_shift = _correlate(history @ fwd, kernel @ fwd[:n], inv)  # (B, T, LAG_MAX + 1): shift s is lag LAG_MAX - s
+    kernel_fwd = fwd[:n] if kernel_fwd is None else kernel_fwd
+    by_shift = _correlate(history @ fwd, kernel @ kernel_fwd, inv)  # (B, T, LAG_MAX + 1): shift s is lag LAG_MAX - s
     energy = _correlate((history * history) @ fwd, win2, inv)  # windowed energy of the frame at each shift
     corr = torch.flip(by_shift[..., :LAG_MAX], dims=[-1])  # lags 1..LAG_MAX
     e_past = torch.flip(energy[..., :LAG_MAX], dims=[-1]).clamp(min=0.0)
@@ -168,6 +171,7 @@ class Constants:
         self.member, self.interp = torch.from_numpy(member).to(device), torch.from_numpy(interp).to(device)
         self.corr_fwd, self.corr_inv, self.corr_win2 = (torch.from_numpy(a).to(device)
                                                         for a in correlation_bases(win.cpu().numpy()))
+        self.corr_kernel = self.corr_fwd[:cfg.stft.n_fft].clone()
 
 
 def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: torch.Tensor, plain_hist: torch.Tensor,
@@ -177,7 +181,7 @@ def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: tor
     (B, T, HISTORY): the enhanced output without the filter that ends where the frame's first hop of
     output does (the previous frame's window and the LAG_MAX samples before); k: the `Constants`
     (or a module holding them under the same names). Returns the filtered frames (B, T, 2F)."""
-    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_win2)
+    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_win2, k.corr_kernel)
     voiced = (voicing > cfg.pitch_filter_voicing).to(x.dtype)
     p = lagged(noisy_hist, lag, cfg.stft.n_fft) @ k.fwd
     return comb(cfg, x, p, gain, voiced, k.member, k.interp)

@@ -221,3 +221,30 @@ def test_export_command_sets_the_filter(torch_model, tmp_path, capsys):
     assert load_checkpoint(tmp_path / "pf.pt").config.pitch_filter == 0.5
     assert cli_main(["export", str(pt), "-o", str(out), "--pitch-filter", "5", "-q"]) != 0
     assert "pitch_filter" in capsys.readouterr().err
+
+
+def _walk(graph):
+    for node in graph.node:
+        yield node
+        for a in node.attribute:
+            if a.g is not None and len(a.g.node):
+                yield from _walk(a.g)
+
+
+def test_8bit_export_keeps_the_filter_in_float(filtered, torch_model, tmp_path):
+    """`--int8` quantizes the network's dense layers, not the filter's DFT, band or correlation
+    matrices: as many 8-bit matmuls as the same model without the filter, and every pitch constant
+    read by a float MatMul."""
+    import onnx
+
+    from enhancer.export import export_step
+
+    def exported(model, name):
+        export_step(model, tmp_path / name, check=False, int8_weights=True)
+        return list(_walk(onnx.load(str(tmp_path / name)).graph))
+
+    with_filter, without = exported(filtered, "pf.onnx"), exported(torch_model, "plain.onnx")
+    count = lambda nodes: sum(n.op_type == "MatMulNBits" for n in nodes)  # noqa: E731
+    assert count(with_filter) == count(without) > 0
+    pitch_inputs = {i for n in with_filter for i in n.input if i.startswith("pitch_corr") or i.startswith("pitch_interp")}
+    assert {"pitch_corr_fwd", "pitch_corr_inv", "pitch_corr_kernel", "pitch_interp"} <= pitch_inputs
