@@ -67,7 +67,7 @@ CORR_FFT = 1024  # the correlations over the history are products of DFTs this l
 def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Real matrices that compute, for a history h of LAG_MAX + n samples (n = len(window)), the
     correlations sum_i h[s + i] k[i] at shifts s = 0..LAG_MAX with DFTs of CORR_FFT points: `fwd`
-    (LAG_MAX + n, 2K) [re | im] of the zero-padded h (its first n rows give a kernel's), `inv` (2K,
+    (LAG_MAX + n, 2K) [re | im] of the zero-padded h (and of a kernel padded as long), `inv` (2K,
     LAG_MAX + 1) from the product spectrum [re | im] back to the shifts, and `win2` (2K,) the DFT of
     window^2, the kernel of the windowed energies."""
     n, m = len(window), LAG_MAX + len(window)
@@ -84,26 +84,22 @@ def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return fwd.astype(np.float32), inv.astype(np.float32), win2.astype(np.float32)
 
 
-def _correlate(h_spec: torch.Tensor, k_spec: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """[re | im] spectra of a history and a kernel (..., 2K) -> their correlation at every shift."""
-    k = h_spec.shape[-1] // 2
-    hr, hi, kr, ki = h_spec[..., :k], h_spec[..., k:], k_spec[..., :k], k_spec[..., k:]
-    return torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1) @ inv
-
-
 def yin(history: torch.Tensor, window: torch.Tensor, fwd: torch.Tensor, inv: torch.Tensor,
-        win2: torch.Tensor, kernel_fwd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        win2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """history (B, T, LAG_MAX + n_fft): for each frame, the samples of the window to analyse (the
-    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `win2`: `correlation_bases(window)`;
-    `kernel_fwd`: the first n_fft rows of `fwd` (a tensor of its own, so that the exported graph
-    holds it as a named constant and keeps it float: `enhancer.quantize.KEEP_FLOAT`).
+    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `win2`: `correlation_bases(window)`.
     Returns the pitch lag (B, T) int64 in [LAG_MIN, LAG_MAX] and the normalised correlation (B, T)
     of the windowed frame with the windowed frame one lag earlier (the voicing)."""
-    n = window.shape[0]
-    kernel = history[..., LAG_MAX:] * window * window  # windowed frame x window: sum h[s+i] w[i] * cur[i] w[i]
-    kernel_fwd = fwd[:n] if kernel_fwd is None else kernel_fwd
-    by_shift = _correlate(history @ fwd, kernel @ kernel_fwd, inv)  # (B, T, LAG_MAX + 1): shift s is lag LAG_MAX - s
-    energy = _correlate((history * history) @ fwd, win2, inv)  # windowed energy of the frame at each shift
+    # the windowed frame times the window: sum_i h[s + i] w[i] * cur[i] w[i] is the correlation at shift s
+    kernel = torch.nn.functional.pad(history[..., LAG_MAX:] * window * window, (0, LAG_MAX))
+    spec = torch.stack([history, kernel, history * history], dim=-2) @ fwd  # (B, T, 3, 2K): one pass over fwd
+    k = spec.shape[-1] // 2
+    hr, hi, kr, ki = spec[..., 0, :k], spec[..., 0, k:], spec[..., 1, :k], spec[..., 1, k:]
+    er, ei = spec[..., 2, :k], spec[..., 2, k:]
+    wr, wi = win2[:k], win2[k:]
+    products = torch.stack([torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1),  # with the frame
+                            torch.cat([er * wr + ei * wi, ei * wr - er * wi], dim=-1)], dim=-2)  # energies
+    by_shift, energy = (products @ inv).unbind(-2)  # (B, T, LAG_MAX + 1) each: shift s is lag LAG_MAX - s
     corr = torch.flip(by_shift[..., :LAG_MAX], dims=[-1])  # lags 1..LAG_MAX
     e_past = torch.flip(energy[..., :LAG_MAX], dims=[-1]).clamp(min=0.0)
     e_cur = energy[..., LAG_MAX:].clamp(min=0.0)
@@ -171,7 +167,6 @@ class Constants:
         self.member, self.interp = torch.from_numpy(member).to(device), torch.from_numpy(interp).to(device)
         self.corr_fwd, self.corr_inv, self.corr_win2 = (torch.from_numpy(a).to(device)
                                                         for a in correlation_bases(win.cpu().numpy()))
-        self.corr_kernel = self.corr_fwd[:cfg.stft.n_fft].clone()
 
 
 def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: torch.Tensor, plain_hist: torch.Tensor,
@@ -181,7 +176,7 @@ def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: tor
     (B, T, HISTORY): the enhanced output without the filter that ends where the frame's first hop of
     output does (the previous frame's window and the LAG_MAX samples before); k: the `Constants`
     (or a module holding them under the same names). Returns the filtered frames (B, T, 2F)."""
-    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_win2, k.corr_kernel)
+    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_win2)
     voiced = (voicing > cfg.pitch_filter_voicing).to(x.dtype)
     p = lagged(noisy_hist, lag, cfg.stft.n_fft) @ k.fwd
     return comb(cfg, x, p, gain, voiced, k.member, k.interp)
