@@ -61,45 +61,57 @@ def bands(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return member.astype(np.float32), interp.astype(np.float32)
 
 
-CORR_FFT = 1024  # the correlations over the history are products of DFTs this long (>= LAG_MAX + n_fft)
+CORR_FFT = LAG_MAX + 512  # the correlation with the frame is a product of DFTs this long (>= the history)
 
 
 def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Real matrices that compute, for a history h of LAG_MAX + n samples (n = len(window)), the
-    correlations sum_i h[s + i] k[i] at shifts s = 0..LAG_MAX with DFTs of CORR_FFT points: `fwd`
-    (LAG_MAX + n, 2K) [re | im] of the zero-padded h (and of a kernel padded as long), `inv` (2K,
-    LAG_MAX + 1) from the product spectrum [re | im] back to the shifts, and `win2` (2K,) the DFT of
-    window^2, the kernel of the windowed energies."""
+    """Real matrices for, over a history h of LAG_MAX + n samples (n = len(window)):
+
+    - the correlations sum_i h[s + i] k[i] at shifts s = 0..LAG_MAX with DFTs of CORR_FFT points:
+      `fwd` (LAG_MAX + n, 2K) [re | im] of h (and of a kernel zero-padded as long), `inv` (2K,
+      LAG_MAX + 1) from the product spectrum [re | im] back to the shifts;
+    - the windowed energies sum_i h[s + i]^2 window[i]^2 from running sums: window^2 is the Hann
+      window 0.5 - 0.5 cos(2 pi i / n), so with z = exp(2 pi j / n) the energy at shift s is
+      0.5 sum h^2 - 0.5 Re(z^-s sum_m h[m]^2 z^m) over the n samples from s; `phase` (4, LAG_MAX + n)
+      holds cos and sin of 2 pi m / n for every sample m (rows 0, 1) and of every shift (rows 2, 3,
+      the first LAG_MAX + 1 columns)."""
     n, m = len(window), LAG_MAX + len(window)
     k = CORR_FFT // 2 + 1
     t = np.arange(m)[:, None]
     ang = 2.0 * np.pi * t * np.arange(k)[None, :] / CORR_FFT
     fwd = np.concatenate([np.cos(ang), -np.sin(ang)], axis=1)
     a = np.full(k, 2.0)
-    a[0] = a[-1] = 1.0
+    a[0] = 1.0
+    if CORR_FFT % 2 == 0:
+        a[-1] = 1.0
     s = np.arange(LAG_MAX + 1)[None, :]
     ang_s = 2.0 * np.pi * np.arange(k)[:, None] * s / CORR_FFT
     inv = np.concatenate([a[:, None] * np.cos(ang_s), -a[:, None] * np.sin(ang_s)], axis=0) / CORR_FFT
-    win2 = (window.astype(np.float64) ** 2) @ fwd[:n]
-    return fwd.astype(np.float32), inv.astype(np.float32), win2.astype(np.float32)
+    theta = 2.0 * np.pi * np.arange(m) / n
+    shift = np.where(np.arange(m) <= LAG_MAX, theta, 0.0)
+    phase = np.stack([np.cos(theta), np.sin(theta), np.cos(shift), np.sin(shift)])
+    return fwd.astype(np.float32), inv.astype(np.float32), phase.astype(np.float32)
 
 
 def yin(history: torch.Tensor, window: torch.Tensor, fwd: torch.Tensor, inv: torch.Tensor,
-        win2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """history (B, T, LAG_MAX + n_fft): for each frame, the samples of the window to analyse (the
-    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `win2`: `correlation_bases(window)`.
+    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `phase`: `correlation_bases(window)`.
     Returns the pitch lag (B, T) int64 in [LAG_MIN, LAG_MAX] and the normalised correlation (B, T)
     of the windowed frame with the windowed frame one lag earlier (the voicing)."""
+    n = window.shape[0]
     # the windowed frame times the window: sum_i h[s + i] w[i] * cur[i] w[i] is the correlation at shift s
     kernel = torch.nn.functional.pad(history[..., LAG_MAX:] * window * window, (0, LAG_MAX))
-    spec = torch.stack([history, kernel, history * history], dim=-2) @ fwd  # (B, T, 3, 2K): one pass over fwd
+    spec = torch.stack([history, kernel], dim=-2) @ fwd  # (B, T, 2, 2K): one pass over fwd
     k = spec.shape[-1] // 2
     hr, hi, kr, ki = spec[..., 0, :k], spec[..., 0, k:], spec[..., 1, :k], spec[..., 1, k:]
-    er, ei = spec[..., 2, :k], spec[..., 2, k:]
-    wr, wi = win2[:k], win2[k:]
-    products = torch.stack([torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1),  # with the frame
-                            torch.cat([er * wr + ei * wi, ei * wr - er * wi], dim=-1)], dim=-2)  # energies
-    by_shift, energy = (products @ inv).unbind(-2)  # (B, T, LAG_MAX + 1) each: shift s is lag LAG_MAX - s
+    by_shift = torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1) @ inv  # (B, T, LAG_MAX + 1): lag LAG_MAX - s
+    # the windowed energies at every shift, from running sums of h^2 and h^2 z^m
+    h2 = history * history
+    sums = torch.cumsum(torch.nn.functional.pad(torch.stack([h2, h2 * phase[0], h2 * phase[1]], dim=-2), (1, 0)), -1)
+    win_sums = sums[..., n:] - sums[..., :LAG_MAX + 1]  # (B, T, 3, LAG_MAX + 1): over the n samples from s
+    cs, sn = phase[2, :LAG_MAX + 1], phase[3, :LAG_MAX + 1]
+    energy = 0.5 * win_sums[..., 0, :] - 0.5 * (cs * win_sums[..., 1, :] + sn * win_sums[..., 2, :])
     corr = torch.flip(by_shift[..., :LAG_MAX], dims=[-1])  # lags 1..LAG_MAX
     e_past = torch.flip(energy[..., :LAG_MAX], dims=[-1]).clamp(min=0.0)
     e_cur = energy[..., LAG_MAX:].clamp(min=0.0)
@@ -165,7 +177,7 @@ class Constants:
         self.window = win
         self.fwd = torch.from_numpy(dft_bases(cfg.stft)[0]).to(device)
         self.member, self.interp = torch.from_numpy(member).to(device), torch.from_numpy(interp).to(device)
-        self.corr_fwd, self.corr_inv, self.corr_win2 = (torch.from_numpy(a).to(device)
+        self.corr_fwd, self.corr_inv, self.corr_phase = (torch.from_numpy(a).to(device)
                                                         for a in correlation_bases(win.cpu().numpy()))
 
 
@@ -176,7 +188,7 @@ def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: tor
     (B, T, HISTORY): the enhanced output without the filter that ends where the frame's first hop of
     output does (the previous frame's window and the LAG_MAX samples before); k: the `Constants`
     (or a module holding them under the same names). Returns the filtered frames (B, T, 2F)."""
-    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_win2)
+    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_phase)
     voiced = (voicing > cfg.pitch_filter_voicing).to(x.dtype)
     p = lagged(noisy_hist, lag, cfg.stft.n_fft) @ k.fwd
     return comb(cfg, x, p, gain, voiced, k.member, k.interp)

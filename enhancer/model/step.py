@@ -69,7 +69,7 @@ class StreamingStep(nn.Module):
         self.f = f
         if cfg.pitch_filter > 0:  # the pitch filter's constants, under the names `pitchfilter.apply` reads
             k = pitchfilter.Constants(cfg)
-            for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_win2"):
+            for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase"):
                 self.register_buffer("pitch_" + name, getattr(k, name))
 
     def forward(self, hops, min_gain, pos, *caches):
@@ -145,5 +145,5 @@ class _PitchConstants:
 
     def __init__(self, step: StreamingStep):
         self.fwd = step.fwd_basis
-        for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_win2"):
+        for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase"):
             setattr(self, name, getattr(step, "pitch_" + name))
