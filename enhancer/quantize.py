@@ -9,7 +9,7 @@ What is quantized: every dense layer with a constant weight (the pre-encoder con
 projections, the ordinary blocks' attention and FFN, the inter-mechanism attention's and the
 output head's, and in the live body of the graph every TIM mechanism's layers) -- torch exports
 them as `Gemm`, rewritten here as `MatMul` (+ bias) for the quantizer. What is not: the DFT bases
-and the pitch filter's band and autocorrelation matrices (they produce the audio or decide the
+and the pitch filter's band and correlation matrices (they produce the audio or decide the
 pitch, so they keep float32 precision), the attention over the key/value rings
 (activations, not weights), and in the any-T body the grouped per-mechanism weights of TIM blocks
 (3-D batched matmuls, which `MatMulNBits` does not take). `export_step` quantizes each body
@@ -21,7 +21,7 @@ import numpy as np
 
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # int8 activations x int8 weights; level 0 (float32 compute) is far slower here
-KEEP_FLOAT = ("fwd_basis", "inv_basis", "pitch_member", "pitch_interp", "pitch_acf")
+KEEP_FLOAT = ("fwd_basis", "inv_basis", "pitch_member", "pitch_interp", "pitch_corr_fwd", "pitch_corr_inv")
 MIN_PARITY_SNR_DB = 30.0  # export check: output energy over (int8 graph - torch) energy, random audio
 
 

@@ -34,9 +34,10 @@ def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     specs.append(("ola", (cfg.stft.hop,)))
     if cfg.rise_limit_gain > 0:  # the rise limit's state (`enhancer.model.postfilter`)
         specs += [("prev_gain", (cfg.n_freqs,)), ("energy", (2,))]
-    if cfg.pitch_filter > 0:  # the pitch filter's noisy history (`enhancer.model.pitchfilter`)
+    if cfg.pitch_filter > 0:  # the pitch filter's histories (`enhancer.model.pitchfilter`)
         history = PITCH_LAG_MAX + cfg.stft.n_fft
-        specs.append(("pitch_x", (history + (cfg.lookahead - 1) * cfg.stft.hop,)))
+        specs += [("pitch_x", (history + (cfg.lookahead - 1) * cfg.stft.hop,)), ("pitch_y", (history - cfg.stft.hop,)),
+                  ("pitch_ola", (cfg.stft.hop,))]
     return specs
 
 

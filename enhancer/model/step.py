@@ -19,8 +19,10 @@ State caches (returned updated, fixed shape, zero for a fresh stream), in this o
     ola        (B, 256)               overlap-add tail of the previous output frame
     prev_gain  (B, F)                 the network's gains of the previous frame   } models with the rise
     energy     (B, 2)                 running energies kept and removed            } limit only (`postfilter`)
-    pitch_x    (B, HISTORY + (L-1)*256)  noisy input before the call's hops: models with the pitch filter
-                                      only (`pitchfilter`)
+    pitch_x    (B, HISTORY + (L-1)*256)  noisy input before the call's hops        } models with the pitch
+    pitch_y    (B, HISTORY - 256)     output without the pitch filter, before the  } filter only
+                                      call's first frame                           } (`pitchfilter`)
+    pitch_ola  (B, 256)               overlap-add tail of that output              }
 Key/value ring buffers (read by the graph, written by the caller in place):
     k0..k7, v0..v7  (B, H, W, dh)     slot `p % W` holds frame p's key/value
 Outputs, named (`enhancer.step_io.output_names`; read them by name with `StepOutputs.decode`):
@@ -67,7 +69,7 @@ class StreamingStep(nn.Module):
         self.f = f
         if cfg.pitch_filter > 0:  # the pitch filter's constants, under the names `pitchfilter.apply` reads
             k = pitchfilter.Constants(cfg)
-            for name in ("member", "interp", "acf"):
+            for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase"):
                 self.register_buffer("pitch_" + name, getattr(k, name))
 
     def forward(self, hops, min_gain, pos, *caches):
@@ -110,10 +112,9 @@ class StreamingStep(nn.Module):
         # the speech activity is read from the network's gains, whatever the post-filters
         plain = cfg.gain_exponent == 1.0 and not limit_state
         speech = gain if plain else torch.maximum(net_gain, min_gain[:, None, None])
+        frame = (applied * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
         if pitch_state:  # the pitch filter (`enhancer.model.pitchfilter`) on the frames the gains apply to
-            frame, pitch_state = self._pitch_filter(hops, applied, gain, *pitch_state)
-        else:
-            frame = (applied * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
+            frame, pitch_state = self._pitch_filter(hops, applied, gain, frame, *pitch_state)
         overlap = ola[:, None] if t == 1 else torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1)  # (B, T, hop)
         out = overlap + frame[..., :hop_n]  # (B, T, hop)
         activity = speech[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
@@ -125,14 +126,18 @@ class StreamingStep(nn.Module):
         return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:], *limit_state,
                              *pitch_state])
 
-    def _pitch_filter(self, hops, applied, gain, noisy_tail):
-        """The frames (B, T, n_fft) after the pitch filter, and its new state."""
+    def _pitch_filter(self, hops, applied, gain, plain, noisy_tail, plain_tail, plain_ola):
+        """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
+        without it, whose overlap-add (tail `plain_ola`) is the output its pitch estimate reads."""
         b, t, hop_n = hops.shape
+        overlap = plain_ola[:, None] if t == 1 else torch.cat([plain_ola[:, None], plain[:, :-1, hop_n:]], dim=1)
         noisy = torch.cat([noisy_tail, hops.reshape(b, -1)], dim=1)  # (B, S_x + T*hop)
+        out = torch.cat([plain_tail, (overlap + plain[..., :hop_n]).reshape(b, -1)], dim=1)  # (B, S_y + T*hop)
         idx = torch.arange(t, device=hops.device)[:, None] * hop_n + torch.arange(pitchfilter.HISTORY, device=hops.device)
-        filtered = pitchfilter.apply(self.config, applied, gain, noisy[:, idx], _PitchConstants(self))
+        filtered = pitchfilter.apply(self.config, applied, gain, noisy[:, idx], out[:, idx], _PitchConstants(self))
         frame = (filtered * torch.cat([gain, gain], dim=-1)) @ self.inv_basis
-        return frame, [noisy[:, -noisy_tail.shape[1]:]]
+        state = [noisy[:, -noisy_tail.shape[1]:], out[:, -plain_tail.shape[1]:], plain[:, -1, hop_n:]]
+        return frame, state
 
 
 class _PitchConstants:
@@ -140,5 +145,5 @@ class _PitchConstants:
 
     def __init__(self, step: StreamingStep):
         self.fwd = step.fwd_basis
-        for name in ("member", "interp", "acf"):
+        for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase"):
             setattr(self, name, getattr(step, "pitch_" + name))
