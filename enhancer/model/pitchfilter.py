@@ -22,8 +22,8 @@ The pitch is estimated by YIN (de Cheveigne & Kawahara, 2002) on the enhanced ou
 pitch filter, in the last frame whose samples are complete when the gains of the frame to filter
 are known (the frame before it), at lags of 32 to 320 samples (50 to 500 Hz). Both the estimate
 and P read past samples only, so the model's latency is unchanged; the step graph carries the
-noisy input and the enhanced output of the last `HIST` samples, and the output's overlap-add tail
-without the filter (state caches `pitch_x`, `pitch_y`, `pitch_ola`).
+recent noisy input and enhanced output without the filter, and that output's overlap-add tail
+(state caches `pitch_x`, `pitch_y`, `pitch_ola`).
 """
 from __future__ import annotations
 
