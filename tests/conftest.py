@@ -39,6 +39,56 @@ def runtime_of(model, folder):
     return Enhancer.from_pretrained(export_checked(model, folder / "model.onnx"), providers=["CPUExecutionProvider"])
 
 
+def assert_lanes_match_offline(model, runtime, a, b, late: int = 10):
+    """Streams `a` and `b` batched in one pool of `runtime`, `b` starting `late` hops after `a`:
+    each gets the offline torch output of `model` (what a post-filter's per-stream state must keep)."""
+    import torch
+
+    from enhancer.runtime import LanePool
+    from tests.tolerance import assert_close_to_peak
+
+    hop = model.config.stft.hop
+    pool = LanePool(runtime.engine, 2)
+    lanes, no_limit = pool.alloc(2), np.zeros(2, np.float32)
+    outs = [[], []]
+    for k in range(len(a) // hop + late):
+        if k < late:
+            outs[0].append(pool.step(lanes[:1], a[None, k * hop:(k + 1) * hop], no_limit[:1]).out[0])
+            continue
+        j = k - late
+        h = np.stack([a[k * hop:(k + 1) * hop] if k < len(a) // hop else np.zeros(hop, np.float32),
+                      b[j * hop:(j + 1) * hop]])
+        r = pool.step(lanes, h, no_limit)
+        outs[0].append(r.out[0])
+        outs[1].append(r.out[1])
+    d = model.config.delay_samples
+    for x, out in zip((a, b), outs):
+        n = len(x) // hop * hop - d
+        y = np.concatenate(out)[d:d + n]
+        assert_close_to_peak(y, model.enhance(torch.from_numpy(x)[None])[0].numpy()[:n])
+
+
+def check_export_flag(model, tmp_path, capsys, flag: str, good: float, bad: float, field: str):
+    """`enhancer export CKPT FLAG good` writes a checked graph and a checkpoint with `field` = good;
+    `FLAG bad` is refused with an error that names `field`."""
+    import json
+
+    from enhancer.checkpoint import load_checkpoint, save_checkpoint
+    from enhancer.cli import main as cli_main
+    from enhancer.export import MAX_REL_DIFF
+    from enhancer.runtime import Enhancer
+
+    pt = save_checkpoint(model, model.config, tmp_path / "m.pt")
+    out = tmp_path / "m.onnx"
+    assert cli_main(["export", str(pt), "-o", str(out), flag, str(good), "-q",
+                     "--save-checkpoint", str(tmp_path / "saved.pt")]) == 0
+    assert json.loads(capsys.readouterr().out)["max_rel_diff"] <= MAX_REL_DIFF
+    assert getattr(Enhancer.from_pretrained(out, providers=["CPUExecutionProvider"]).config, field) == good
+    assert getattr(load_checkpoint(tmp_path / "saved.pt").config, field) == good
+    assert cli_main(["export", str(pt), "-o", str(out), flag, str(bad), "-q"]) != 0
+    assert field in capsys.readouterr().err
+
+
 @pytest.fixture(scope="session")
 def model_path(torch_model, tmp_path_factory):
     """`torch_model` exported and checked (`export_checked`)."""

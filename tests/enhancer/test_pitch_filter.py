@@ -11,13 +11,10 @@ import pytest
 import torch
 
 from enhancer import ModelConfig
-from enhancer.cli import main as cli_main
-from enhancer.export import MAX_REL_DIFF
 from enhancer.model import pitchfilter as pf
 from enhancer.model.features import window
-from enhancer.runtime import Enhancer, LanePool
 from enhancer.step_io import state_specs
-from tests.conftest import runtime_of, speechlike
+from tests.conftest import assert_lanes_match_offline, check_export_flag, runtime_of, speechlike
 from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
 from tests.tolerance import assert_close_to_peak, assert_differs
 
@@ -186,41 +183,12 @@ def test_step_graph_matches_torch(filtered, torch_model, filtered_rt, rng):
 
 def test_lanes_keep_their_own_state(filtered, filtered_rt):
     """Two voices batched in one pool, one started later: each gets its own offline output."""
-    hop = filtered.config.stft.hop
-    a, b = voiced(SR, 120.0, seed=1, snr_db=5), voiced(SR, 230.0, seed=2, snr_db=0) * 0.3
-    pool = LanePool(filtered_rt.engine, 2)
-    lanes, no_limit = pool.alloc(2), np.zeros(2, np.float32)
-    outs = [[], []]
-    late = 10  # stream b starts 10 hops after a
-    for k in range(len(a) // hop + late):
-        if k < late:
-            outs[0].append(pool.step(lanes[:1], a[None, k * hop:(k + 1) * hop], no_limit[:1]).out[0])
-            continue
-        j = k - late
-        h = np.stack([a[k * hop:(k + 1) * hop] if k < len(a) // hop else np.zeros(hop, np.float32),
-                      b[j * hop:(j + 1) * hop]])
-        r = pool.step(lanes, h, no_limit)
-        outs[0].append(r.out[0])
-        outs[1].append(r.out[1])
-    d = filtered.config.delay_samples
-    for x, out in zip((a, b), outs):
-        n = len(x) // hop * hop - d
-        y = np.concatenate(out)[d:d + n]
-        assert_close_to_peak(y, filtered.enhance(torch.from_numpy(x)[None])[0].numpy()[:n])
+    assert_lanes_match_offline(filtered, filtered_rt, voiced(SR, 120.0, seed=1, snr_db=5),
+                               voiced(SR, 230.0, seed=2, snr_db=0) * 0.3)
 
 
 def test_export_command_sets_the_filter(torch_model, tmp_path, capsys):
-    from enhancer.checkpoint import load_checkpoint, save_checkpoint
-
-    pt = save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
-    out = tmp_path / "m.onnx"
-    assert cli_main(["export", str(pt), "-o", str(out), "--pitch-filter", "0.5", "-q",
-                     "--save-checkpoint", str(tmp_path / "pf.pt")]) == 0
-    assert json.loads(capsys.readouterr().out)["max_rel_diff"] <= MAX_REL_DIFF
-    assert Enhancer.from_pretrained(out, providers=["CPUExecutionProvider"]).config.pitch_filter == 0.5
-    assert load_checkpoint(tmp_path / "pf.pt").config.pitch_filter == 0.5
-    assert cli_main(["export", str(pt), "-o", str(out), "--pitch-filter", "5", "-q"]) != 0
-    assert "pitch_filter" in capsys.readouterr().err
+    check_export_flag(torch_model, tmp_path, capsys, "--pitch-filter", 0.5, 5, "pitch_filter")
 
 
 def _walk(graph):
