@@ -124,7 +124,7 @@ def yin(history: torch.Tensor, window: torch.Tensor, fwd: torch.Tensor, inv: tor
     below = (sub < YIN_THRESHOLD).to(history.dtype)
     first = torch.argmax(below, dim=-1, keepdim=True)  # the first lag below the threshold (0 if none)
     # from there, down to the local minimum: the first lag not followed by a lower one
-    rising = torch.cat([sub[..., 1:] >= sub[..., :-1], torch.ones_like(sub[..., :1], dtype=torch.bool)], dim=-1)
+    rising = torch.nn.functional.pad(sub[..., 1:], (0, 1), value=float("inf")) >= sub
     stop = (rising & (idx >= first)).to(history.dtype)
     j = torch.where(below.amax(-1) > 0, torch.argmax(stop, dim=-1), torch.argmin(sub, dim=-1))  # (B, T)
     norm = corr / torch.sqrt(e_cur * e_past + 1e-12)
@@ -151,9 +151,9 @@ def comb(cfg: ModelConfig, x: torch.Tensor, p: torch.Tensor, gain: torch.Tensor,
     c = ((xr * pr + xi * pi) @ member) / torch.sqrt(e_x * e_p + 1e-12)
     g2 = ((gain * gain * px) @ member) / (e_x + 1e-12)
     ratio = c * c * (1.0 - g2) / (1e-3 + g2 * (1.0 - c * c))
-    r = torch.where(c * c > g2, torch.ones_like(ratio), torch.clamp(ratio, 0.0, 1.0))  # c > g (c > 0 below)
+    r = torch.where(c * c > g2, 1.0, torch.clamp(ratio, 0.0, 1.0))  # c > g (c > 0 below)
     r = torch.sqrt(r) * torch.sqrt(e_x / (e_p + 1e-8)) * cfg.pitch_filter
-    r = torch.where(c > 0, r, torch.zeros_like(r)) * voiced[..., None]
+    r = torch.where(c > 0, r, 0.0) * voiced[..., None]
     rf = r @ interp  # (B, T, F)
     yr, yi = xr + rf * pr, xi + rf * pi
     e_y = (yr * yr + yi * yi) @ member

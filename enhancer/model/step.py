@@ -129,10 +129,10 @@ class StreamingStep(nn.Module):
     def _pitch_filter(self, hops, applied, gain, plain, noisy_tail, plain_tail, plain_ola):
         """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
         without it, whose overlap-add (tail `plain_ola`) is the output its pitch estimate reads."""
-        b, t, hop_n = hops.shape
+        t, hop_n = hops.shape[1:]
         overlap = plain_ola[:, None] if t == 1 else torch.cat([plain_ola[:, None], plain[:, :-1, hop_n:]], dim=1)
-        noisy = torch.cat([noisy_tail, hops.reshape(b, -1)], dim=1)  # (B, S_x + T*hop)
-        out = torch.cat([plain_tail, (overlap + plain[..., :hop_n]).reshape(b, -1)], dim=1)  # (B, S_y + T*hop)
+        noisy = torch.cat([noisy_tail, hops.flatten(1)], dim=1)  # (B, S_x + T*hop)
+        out = torch.cat([plain_tail, (overlap + plain[..., :hop_n]).flatten(1)], dim=1)  # (B, S_y + T*hop)
         idx = torch.arange(t, device=hops.device)[:, None] * hop_n + torch.arange(pitchfilter.HISTORY, device=hops.device)
         filtered = pitchfilter.apply(self.config, applied, gain, noisy[:, idx], out[:, idx], _PitchConstants(self))
         frame = (filtered * torch.cat([gain, gain], dim=-1)) @ self.inv_basis
