@@ -167,8 +167,8 @@ class ModelConfig:
             problems.append(f"pitch_filter must be in [0, 2], got {self.pitch_filter}")
         if not 0.0 <= self.pitch_filter_voicing < 1.0:
             problems.append(f"pitch_filter_voicing must be in [0, 1), got {self.pitch_filter_voicing}")
-        if self.pitch_filter and (self.stft.sample_rate != 16000 or self.stft.n_fft != 2 * self.stft.hop):
-            problems.append("the pitch filter needs 16 kHz frames of two hops")
+        if self.pitch_filter and (self.stft.sample_rate, self.stft.n_fft, self.stft.hop) != (16000, 512, 256):
+            problems.append("the pitch filter needs 16 kHz frames of 512 samples every 256")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 

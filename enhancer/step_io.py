@@ -22,8 +22,8 @@ from .config import ModelConfig
 STEP_FORMAT = "3"
 
 INPUTS = ("hops", "min_gain", "pos")  # then the caches (`cache_specs`)
-NEXT = "_next"
-PITCH_LAG_MAX = 320  # `enhancer.model.pitchfilter.LAG_MAX` (this module stays free of torch)  # an updated state cache is output as its input's name + NEXT
+NEXT = "_next"  # an updated state cache is output as its input's name + NEXT
+PITCH_LAG_MAX = 320  # the pitch filter's longest lag, samples (`enhancer.model.pitchfilter.LAG_MAX`)
 
 
 def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

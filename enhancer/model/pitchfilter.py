@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from ..step_io import PITCH_LAG_MAX
 
-LAG_MIN, LAG_MAX = 32, 320  # pitch lags searched, in samples at 16 kHz: 500 Hz down to 50 Hz
+N_FFT = 512  # the frames the filter works on (`ModelConfig.validate` requires them)
+LAG_MIN, LAG_MAX = 32, PITCH_LAG_MAX  # pitch lags searched, in samples at 16 kHz: 500 Hz down to 50 Hz
 YIN_THRESHOLD = 0.2  # the first lag whose normalised difference falls below this is the period
 BAND_EDGES_HZ = (0, 200, 400, 600, 800, 1000, 1200, 1400, 1600, 2000, 2400, 2800, 3200, 4000, 4800, 5600, 6800, 8000)
 
@@ -61,7 +63,7 @@ def bands(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return member.astype(np.float32), interp.astype(np.float32)
 
 
-CORR_FFT = LAG_MAX + 512  # the correlation with the frame is a product of DFTs this long (>= the history)
+CORR_FFT = LAG_MAX + N_FFT  # the correlation with the frame is a product of DFTs this long (>= the history)
 
 
 def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,8 +121,7 @@ def yin(history: torch.Tensor, window: torch.Tensor, fwd: torch.Tensor, inv: tor
     lags = torch.arange(1, LAG_MAX + 1, device=history.device, dtype=history.dtype)
     cmnd = diff * lags / torch.clamp(torch.cumsum(diff, dim=-1), min=1e-12)  # YIN's normalised difference
     sub = cmnd[..., LAG_MIN - 1:]  # lags LAG_MIN..LAG_MAX
-    n = sub.shape[-1]
-    idx = torch.arange(n, device=history.device)
+    idx = torch.arange(sub.shape[-1], device=history.device)
     below = (sub < YIN_THRESHOLD).to(history.dtype)
     first = torch.argmax(below, dim=-1, keepdim=True)  # the first lag below the threshold (0 if none)
     # from there, down to the local minimum: the first lag not followed by a lower one
@@ -161,8 +162,7 @@ def comb(cfg: ModelConfig, x: torch.Tensor, p: torch.Tensor, gain: torch.Tensor,
     return torch.cat([yr * norm, yi * norm], dim=-1)
 
 
-# samples per frame the filter reads: the analysed window and LAG_MAX before it (n_fft 512)
-HISTORY = LAG_MAX + 512
+HISTORY = LAG_MAX + N_FFT  # samples per frame the filter reads: the analysed window and LAG_MAX before it
 CHUNK_FRAMES = 128  # frames per chunk offline
 
 

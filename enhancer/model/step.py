@@ -112,9 +112,10 @@ class StreamingStep(nn.Module):
         # the speech activity is read from the network's gains, whatever the post-filters
         plain = cfg.gain_exponent == 1.0 and not limit_state
         speech = gain if plain else torch.maximum(net_gain, min_gain[:, None, None])
-        frame = (applied * torch.cat([gain, gain], dim=-1)) @ self.inv_basis  # (B, T, n_fft)
+        gain2 = torch.cat([gain, gain], dim=-1)  # on [re | im]
+        frame = (applied * gain2) @ self.inv_basis  # (B, T, n_fft)
         if pitch_state:  # the pitch filter (`enhancer.model.pitchfilter`) on the frames the gains apply to
-            frame, pitch_state = self._pitch_filter(hops, applied, gain, frame, *pitch_state)
+            frame, pitch_state = self._pitch_filter(hops, applied, gain, gain2, frame, *pitch_state)
         overlap = ola[:, None] if t == 1 else torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1)  # (B, T, hop)
         out = overlap + frame[..., :hop_n]  # (B, T, hop)
         activity = speech[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
@@ -126,16 +127,16 @@ class StreamingStep(nn.Module):
         return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:], *limit_state,
                              *pitch_state])
 
-    def _pitch_filter(self, hops, applied, gain, plain, noisy_tail, plain_tail, plain_ola):
+    def _pitch_filter(self, hops, applied, gain, gain2, plain, noisy_tail, plain_tail, plain_ola):
         """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
         without it, whose overlap-add (tail `plain_ola`) is the output its pitch estimate reads."""
         t, hop_n = hops.shape[1:]
         overlap = plain_ola[:, None] if t == 1 else torch.cat([plain_ola[:, None], plain[:, :-1, hop_n:]], dim=1)
         noisy = torch.cat([noisy_tail, hops.flatten(1)], dim=1)  # (B, S_x + T*hop)
         out = torch.cat([plain_tail, (overlap + plain[..., :hop_n]).flatten(1)], dim=1)  # (B, S_y + T*hop)
-        idx = torch.arange(t, device=hops.device)[:, None] * hop_n + torch.arange(pitchfilter.HISTORY, device=hops.device)
-        filtered = pitchfilter.apply(self.config, applied, gain, noisy[:, idx], out[:, idx], _PitchConstants(self))
-        frame = (filtered * torch.cat([gain, gain], dim=-1)) @ self.inv_basis
+        filtered = pitchfilter.apply(self.config, applied, gain, pitchfilter.frames_at(noisy, t, hop_n),
+                                     pitchfilter.frames_at(out, t, hop_n), _PitchConstants(self))
+        frame = (filtered * gain2) @ self.inv_basis
         state = [noisy[:, -noisy_tail.shape[1]:], out[:, -plain_tail.shape[1]:], plain[:, -1, hop_n:]]
         return frame, state
 

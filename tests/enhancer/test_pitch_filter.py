@@ -157,6 +157,15 @@ def test_bad_settings_are_refused(bad):
         ModelConfig.preset("tim", **bad)
 
 
+def test_other_frames_are_refused():
+    """The filter's lags and bases are for 16 kHz frames of 512 samples every 256."""
+    from enhancer.config import STFTConfig
+
+    assert ModelConfig.preset("tim", stft=STFTConfig(n_fft=1024, hop=512)).pitch_filter == 0.0  # fine without it
+    with pytest.raises(ValueError, match="the pitch filter needs 16 kHz frames of 512"):
+        ModelConfig.preset("tim", pitch_filter=0.5, stft=STFTConfig(n_fft=1024, hop=512))
+
+
 @pytest.fixture(scope="module")
 def filtered(torch_model):
     model = copy.deepcopy(torch_model)
