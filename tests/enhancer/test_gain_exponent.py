@@ -2,17 +2,14 @@
 exported step graph (live and in chunks) and the runtime; the speech activity is the network's."""
 import copy
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
 
 from enhancer import ModelConfig
-from enhancer.cli import main as cli_main
-from enhancer.export import MAX_REL_DIFF
-from enhancer.runtime import Enhancer, LanePool, min_gain_for
-from tests.conftest import runtime_of, speechlike
+from enhancer.runtime import LanePool, min_gain_for
+from tests.conftest import check_export_flag, runtime_of, speechlike
 from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
 from tests.tolerance import assert_close_to_peak, assert_differs
 
@@ -85,14 +82,4 @@ def test_speech_activity_is_the_network_gain_not_the_output_gain(enhancer_rt, sh
 
 
 def test_export_command_sets_the_exponent(torch_model, tmp_path, capsys):
-    from enhancer.checkpoint import load_checkpoint, save_checkpoint
-
-    pt = save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
-    out = tmp_path / "m.onnx"
-    assert cli_main(["export", str(pt), "-o", str(out), "--gain-exponent", "1.25", "-q",
-                     "--save-checkpoint", str(tmp_path / "m125.pt")]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["max_rel_diff"] <= MAX_REL_DIFF
-    assert Enhancer.from_pretrained(out, providers=["CPUExecutionProvider"]).config.gain_exponent == 1.25
-    assert load_checkpoint(tmp_path / "m125.pt").config.gain_exponent == 1.25
-    assert cli_main(["export", str(pt), "-o", str(out), "--gain-exponent", "9", "-q"]) != 0
+    check_export_flag(torch_model, tmp_path, capsys, "--gain-exponent", 1.25, 9, "gain_exponent")
