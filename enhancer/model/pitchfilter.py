@@ -166,6 +166,9 @@ HISTORY = LAG_MAX + N_FFT  # samples per frame the filter reads: the analysed wi
 CHUNK_FRAMES = 128  # frames per chunk offline
 
 
+CONSTANTS = ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase")  # a step graph's copies (and `fwd`)
+
+
 class Constants:
     """The filter's fixed tensors: the analysis window, the DFT basis, the bands, the correlation bases."""
 

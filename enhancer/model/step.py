@@ -69,7 +69,7 @@ class StreamingStep(nn.Module):
         self.f = f
         if cfg.pitch_filter > 0:  # the pitch filter's constants, under the names `pitchfilter.apply` reads
             k = pitchfilter.Constants(cfg)
-            for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase"):
+            for name in pitchfilter.CONSTANTS:
                 self.register_buffer("pitch_" + name, getattr(k, name))
 
     def forward(self, hops, min_gain, pos, *caches):
@@ -116,8 +116,7 @@ class StreamingStep(nn.Module):
         frame = (applied * gain2) @ self.inv_basis  # (B, T, n_fft)
         if pitch_state:  # the pitch filter (`enhancer.model.pitchfilter`) on the frames the gains apply to
             frame, pitch_state = self._pitch_filter(hops, applied, gain, gain2, frame, *pitch_state)
-        overlap = ola[:, None] if t == 1 else torch.cat([ola[:, None], frame[:, :-1, hop_n:]], dim=1)  # (B, T, hop)
-        out = overlap + frame[..., :hop_n]  # (B, T, hop)
+        out = _overlap_add(frame, ola, hop_n)  # (B, T, hop)
         activity = speech[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
         kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N*T, dh): keys of layers 0..N-1, then values
         head = [out]
@@ -131,9 +130,8 @@ class StreamingStep(nn.Module):
         """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
         without it, whose overlap-add (tail `plain_ola`) is the output its pitch estimate reads."""
         t, hop_n = hops.shape[1:]
-        overlap = plain_ola[:, None] if t == 1 else torch.cat([plain_ola[:, None], plain[:, :-1, hop_n:]], dim=1)
         noisy = torch.cat([noisy_tail, hops.flatten(1)], dim=1)  # (B, S_x + T*hop)
-        out = torch.cat([plain_tail, (overlap + plain[..., :hop_n]).flatten(1)], dim=1)  # (B, S_y + T*hop)
+        out = torch.cat([plain_tail, _overlap_add(plain, plain_ola, hop_n).flatten(1)], dim=1)  # (B, S_y + T*hop)
         filtered = pitchfilter.apply(self.config, applied, gain, pitchfilter.frames_at(noisy, t, hop_n),
                                      pitchfilter.frames_at(out, t, hop_n), _PitchConstants(self))
         frame = (filtered * gain2) @ self.inv_basis
@@ -141,10 +139,17 @@ class StreamingStep(nn.Module):
         return frame, state
 
 
+def _overlap_add(frames: torch.Tensor, tail: torch.Tensor, hop: int) -> torch.Tensor:
+    """frames (B, T, 2 hop), tail (B, hop): the T output hops (B, T, hop), each frame's first half
+    added to the previous frame's second half (`tail` before the first frame)."""
+    overlap = tail[:, None] if frames.shape[1] == 1 else torch.cat([tail[:, None], frames[:, :-1, hop:]], dim=1)
+    return overlap + frames[..., :hop]
+
+
 class _PitchConstants:
     """The step's buffers under the names `pitchfilter.apply` reads (traced as the graph's initializers)."""
 
     def __init__(self, step: StreamingStep):
         self.fwd = step.fwd_basis
-        for name in ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase"):
+        for name in pitchfilter.CONSTANTS:
             setattr(self, name, getattr(step, "pitch_" + name))
