@@ -3,10 +3,14 @@
 Times, for each batch size, the model's training step alone (forward with the objective, backward,
 Adam) on inputs already on the device, and separately the mixing of one batch on one CPU core
 (`training.data.synthesis.Synthesizer`, from a corpus or a packed copy); prints audio-seconds per second of
-each, so the two can be compared (mixing scales with `fit --data-workers`).
+each, so the two can be compared (mixing scales with `fit --data-workers`). With `--data-workers N`
+it also runs the batch feeder of `fit` (N forked workers, `training.data.feeder`) and prints the
+audio-seconds per second it delivers and the trainer's CPU per batch (what is left of the trainer's
+core for driving the device).
 
     enhancer-train bench-fit --init models/tim.pt --batch 32,128,256 --precision bf16
     enhancer-train bench-fit --init models/tim.pt --shards DIR --augment --mixing-batches 2
+    enhancer-train bench-fit --batch '' --shards DIR --augment --segment-seconds 4 --data-workers 14
 """
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ def add_bench_fit(sub) -> None:
     p.add_argument("--shards", help="also time mixing from this packed corpus (folders A,B,...)")
     p.add_argument("--augment", action="store_true", help="mixing with the augmentation recipe")
     p.add_argument("--mixing-batches", type=int, default=2, help="batches of 16 examples timed for mixing")
+    p.add_argument("--data-workers", type=int, default=0,
+                   help="also time fit's batch feeder with this many worker processes (with --shards)")
+    p.add_argument("--feeder-batch", type=int, default=128, help="the feeder's batch size")
+    p.add_argument("--feeder-batches", type=int, default=8, help="batches timed for the feeder")
     p.add_argument("--compile", action="store_true", help="time the torch.compile'd model")
     p.add_argument("--json", type=Path, help="write the figures here too")
     p.set_defaults(func=cmd_bench_fit)
@@ -112,6 +120,30 @@ def cmd_bench_fit(args) -> int:
         result["mixing_audio_s_per_s_per_core"] = 16 * args.mixing_batches * args.segment_seconds / dt
         print(f"mixing{' (augment)' if args.augment else ''}: {result['mixing_audio_s_per_s_per_core']:.0f} audio-s/s "
               f"on one core")
+        if args.data_workers > 0:
+            result["feeder"] = time_feeder(synth, args.feeder_batch, args.data_workers, args.feeder_batches)
+            f = result["feeder"]
+            print(f"feeder, {f['workers']} worker(s), batch {f['batch']}: {f['audio_s_per_s']:.0f} audio-s/s, "
+                  f"trainer CPU {f['trainer_cpu_ms_per_batch']:.1f} ms per batch", flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def time_feeder(synth, batch: int, workers: int, batches: int) -> dict:
+    """`fit`'s batch feeder taking `batches` batches as fast as its workers make them: audio-seconds
+    per second delivered, and the CPU the trainer's process (all its threads) spent per batch."""
+    from .data.feeder import BatchFeeder
+
+    feeder = BatchFeeder(synth, batch, batch, 0, workers)
+    try:
+        feeder.next()  # the first batch: the forks start and the shared slots are touched
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(batches):
+            feeder.next()
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    finally:
+        feeder.close()
+    return {"workers": workers, "batch": batch, "batches": batches,
+            "audio_s_per_s": batch * batches * synth.cfg.segment_seconds / wall,
+            "trainer_cpu_ms_per_batch": cpu / batches * 1e3}

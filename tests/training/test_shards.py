@@ -113,13 +113,36 @@ def test_feeder_gives_the_trainers_own_batches():
                         MixConfig(segment_seconds=0.5, p_reverb=0.5, p_eq_noise=0.5), seed=7)
     feeder = BatchFeeder(synth, batch_size=3, stride=6, first=3, workers=2)  # rank 1 of 2
     try:
-        for k in range(3):
+        assert feeder.n_slots == 3
+        for k in range(7):  # the ring of shared slots goes round twice
             want = synth.batch(range(3 + 6 * k, 6 + 6 * k))
             got = feeder.next(3 + 6 * k)
             for w, g in zip(want, got):
                 np.testing.assert_array_equal(g, w)
         got = feeder.next(300)  # off the plan (a resume): re-planned, not a wrong batch
         np.testing.assert_array_equal(got[0], synth.batch(range(300, 303))[0])
+        got = feeder.next()
+        np.testing.assert_array_equal(got[1], synth.batch(range(306, 309))[1])
+    finally:
+        feeder.close()
+
+
+class _FailsOn(Synthesizer):
+    def example(self, index):
+        if index == 7:
+            raise DataError("example 7: could not draw non-silent speech")
+        return super().example(index)
+
+
+def test_a_workers_error_reaches_the_trainer_with_its_message():
+    s = sets()
+    synth = _FailsOn(s["speech", "train"], s["noise", "train"], None, MixConfig(segment_seconds=0.5), seed=7)
+    feeder = BatchFeeder(synth, batch_size=4, stride=4, first=0, workers=2)
+    try:
+        np.testing.assert_array_equal(feeder.next()[0], synth.batch(range(4))[0])
+        with pytest.raises(DataError, match="example 7"):
+            feeder.next()
+        np.testing.assert_array_equal(feeder.next()[0], synth.batch(range(8, 12))[0])  # the feeder goes on
     finally:
         feeder.close()
 
@@ -165,13 +188,17 @@ def test_bench_fit_times_the_model_and_the_mixing(corpus, tiny_config, cache_dir
     out = tmp_path / "bench.json"
     assert main(["bench-fit", "--batch", "1,2", "--steps", "1", "--segment-seconds", "0.5", "--threads", "1",
                  "--precision", "fp32", "--shards", str(packed), "--augment", "--mixing-batches", "1",
-                 "--json", str(out)]) == 0
+                 "--data-workers", "2", "--feeder-batch", "4", "--feeder-batches", "3", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert [r["batch"] for r in got["model"]] == [1, 2]
     for r in got["model"]:  # audio-s/s is the batch's audio over the measured step
         assert r["step_ms"] > 0 and abs(r["model_audio_s_per_s"] * r["step_ms"] / 1e3 - r["batch"] * 0.5) < 1e-6 * r["batch"]
     assert got["mixing_audio_s_per_s_per_core"] > 0
-    assert "mixing (augment)" in capsys.readouterr().out
+    f = got["feeder"]
+    assert (f["workers"], f["batch"], f["batches"]) == (2, 4, 3)
+    assert f["audio_s_per_s"] > 0 and f["trainer_cpu_ms_per_batch"] >= 0
+    printed = capsys.readouterr().out
+    assert "mixing (augment)" in printed and "feeder, 2 worker(s), batch 4" in printed
 
 
 def test_codec_for_packs_the_speech_lossless_beside_opus_noise(tmp_path):
