@@ -25,16 +25,21 @@ call and 1 for the results and a margin: each piece costs about half a minute of
 It checks every piece (a missing or damaged one stops it at once, naming the call to repeat), joins
 and checks the tar, unpacks it, installs the wheels into `.gpu/site`, checks the imports and the
 init, runs `fit --shards --init --precision bf16 --data-workers cores-2 --max-minutes` (the budget
-left less `--reserve`; SIGTERM, on which fit saves and stops, 20 s before the end), averages the
-last 3 checkpoints as float16 and leaves in $OUT, on failure too: gpustage.pt, metrics.csv,
-train.json, nvidia-smi.txt (the card, then a row every 15 s), gpustage.log and summary.json
-(status, error, timings, steps, throughput). A second `run` resumes the run (fit's default).
+left less `--reserve`; SIGTERM, on which fit saves and stops, 20 s before the end; a cosine schedule
+without `--total-steps` decays over `SCHEDULE_SHARE` of those minutes, `--total-minutes`, so it ends
+at `--final-lr` however fast the card steps), averages the last 3 checkpoints as float16 and leaves
+in $OUT, on failure too: gpustage.pt, metrics.csv, train.json, nvidia-smi.txt (the card, then a
+row every 15 s), gpustage.log and summary.json (status, error, timings, steps, throughput). A second
+`run` resumes the run (fit's default) and its schedule.
 
-Expected (docs/training-log.md; batch 128 of 4 s, bf16, 14 mixing processes, the mixing the bound):
-one arm alone 2,990 audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an H200
-(phase 17); two arms side by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220 steps
-each), ~2,060-2,100 each on an H100 (phase 18). So `--minutes 8` trains ~6.5 minutes: ~2,300
-steps, ~1.15 M audio-s (~320 h of mixtures); summary.json flags a median under 2,000 on CUDA.
+Expected (docs/training-log.md; batch 128 of 4 s, bf16, 14 mixing processes): one arm alone 2,990
+audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an H200 (phase 17); two arms side
+by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220 steps each), ~2,060-2,100 each on
+an H100 (phase 18). Those runs' trainer received every batch through the pool's pipes, 100-230 ms of
+its CPU per batch on the 2-core EPYC; the feeder now writes into shared memory (about 1 ms), so a
+run should step faster, up to the model step alone (6,700 audio-s/s at bf16 on an H100). So
+`--minutes 8` trains ~6.5 minutes: at least ~2,300 steps, ~1.15 M audio-s (~320 h of mixtures);
+summary.json flags a median under 2,000 on CUDA.
 Then, on the CPU (phase 20's recipe), the unseen dev set deciding:
 
     OMP_NUM_THREADS=1 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\
@@ -70,10 +75,13 @@ FORMAT = "tim-enhancer-gpustage/1"
 CALL_MIB, MARGIN_MIB = 64.0, 4.0
 WHEELS = ("soundfile==0.14.0", "cffi==2.1.1", "soxr==1.1.0")  # not in the device image (cp312)
 FIT = ("--augment --snr -5 25 --loss-floor 1e-2 --compressed-weight 20 --sisdr-weight 0.01 --overestimate-weight 2 "
-       "--pesq-weight 2 --lr 5e-5 --schedule cosine --warmup-steps 50 --total-steps 2300 --final-lr 2e-6 "
+       "--pesq-weight 2 --lr 5e-5 --schedule cosine --warmup-steps 50 --final-lr 2e-6 "
        "--batch-size 128 --segment-seconds 4 --seed 42 --valid-every 0")  # phase 20's recipe, one arm
 PACK = ("--codec-for", "speech=flac", "--quality", "0.8", "--shard-mb", "14")  # phases 15 and 18
 LAND = ".gpu"  # on the device: ignored, so kept on the warm machine between calls
+# a cosine without --total-steps decays over this share of fit's minutes (--total-minutes): the
+# rest goes to loading the shards, forking the workers and the checkpoints
+SCHEDULE_SHARE = 0.9
 START_MIN, CALL_MIN, END_MIN = 2.0, 0.5, 1.0  # device minutes: a start, each transfer call, the results and a margin
 HOURS = ("speech_train=2", "music_train=1.5", "speech_valid=0.03", "noise_valid=0.03", "music_valid=0.03")
 OUTPUTS = ("gpustage.pt", "metrics.csv", "train.json", "nvidia-smi.txt", "gpustage.log", "summary.json")
@@ -253,6 +261,17 @@ def _throughput(metrics: Path) -> dict:
             "overall": len(rates) / sum(1.0 / r for r in rates), "last_step": int(rows[-1]["step"])}
 
 
+def _trained_minutes(metrics: Path) -> float:
+    """Minutes of training steps a run folder's metrics record (0 for a new run)."""
+    import csv
+
+    if not metrics.is_file():
+        return 0.0
+    with open(metrics, newline="") as f:
+        hours = [float(r["hours"]) for r in csv.DictReader(f) if r["split"] == "train"]
+    return 60.0 * hours[-1] if hours else 0.0
+
+
 def _sub(cmd: list, site: Path | None, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *cmd], env=_env(site), capture_output=True, text=True,
                           timeout=max(5.0, timeout), check=False)
@@ -322,7 +341,7 @@ def run(a, extra: list[str]) -> int:
                 _write(smi, "no nvidia-smi on this machine\n")
             stage("fit")
             flags, run_dir = plan["fit"] + extra, land / "run"
-            fit_minutes = max(0.05, (left() - 60.0 * min(a.reserve, a.minutes / 4)) / 60.0)
+            fit_minutes = round(max(0.05, (left() - 60.0 * min(a.reserve, a.minutes / 4)) / 60.0), 2)
             cmd = ["-m", "training.cli", "fit", "--shards", str(shards), "--out", str(run_dir)]
             cmd += ["--init", init] if init and not any(run_dir.glob("checkpoints/step-*.pt")) else []
             workers = max(0, (os.cpu_count() or 2) - 2) if device["cuda"] else 0
@@ -330,6 +349,9 @@ def run(a, extra: list[str]) -> int:
                         "--keep-last": "6", "--data-workers": str(workers)}
             cmd += [x for k, v in defaults.items() if k not in flags for x in (k, v)]
             cmd += [*flags, "--max-minutes", f"{fit_minutes:.2f}"]
+            if "cosine" in flags and "--total-steps" not in flags and "--total-minutes" not in flags:
+                trained = _trained_minutes(run_dir / "metrics.csv")  # a resumed run's schedule goes on
+                cmd += ["--total-minutes", f"{trained + SCHEDULE_SHARE * fit_minutes:.3f}"]
             _write(log, "python " + " ".join(cmd), True)
             rc, text = _fit(cmd, site, out, log, left)
             results = [ln for ln in text.splitlines() if ln.startswith("{")]

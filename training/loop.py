@@ -83,6 +83,15 @@ def cosine_lr(step: int, peak: float, warmup: int, total: int, final: float) -> 
     return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * t))
 
 
+def cosine_lr_by_time(step: int, minutes: float, peak: float, warmup: int, total_minutes: float, final: float) -> float:
+    """`cosine_lr` with the decay over time: after the `warmup` steps, a half cosine from `peak` to
+    `final` over the first `total_minutes` of training (`final` after it)."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, max(0.0, minutes / total_minutes))
+    return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * t))
+
+
 @torch.no_grad()
 def validation_loss(core, valid: dict, d: Dist, autocast, loss_floor: float | None, batch: int = 16) -> float:
     """The log-magnitude loss over the fixed validation set (each rank scores a share): the
@@ -183,7 +192,9 @@ class Trainer:
     def _apply_lr(self) -> None:
         """Set the optimiser's lr: the cosine schedule's at this step, else `self.lr`."""
         o = self.opts
-        if o.schedule == "cosine":
+        if o.schedule == "cosine" and o.total_minutes is not None:
+            self.lr = cosine_lr_by_time(self.step, 60.0 * self.hours, o.lr, o.warmup_steps, o.total_minutes, o.final_lr)
+        elif o.schedule == "cosine":
             self.lr = cosine_lr(self.step, o.lr, o.warmup_steps, self.total_steps, o.final_lr)
         for g in self.opt.param_groups:
             g["lr"] = self.lr
@@ -278,10 +289,11 @@ class Trainer:
                 t0 = time.time()
                 loss, gnorm = self.train_step()
                 dt = time.time() - t0
-                self.hours += dt / 3600.0
                 over = o.max_minutes is not None and time.time() - start >= 60.0 * o.max_minutes
                 due = time.time() - last_ckpt >= 60.0 * o.checkpoint_minutes
-                loss_sum, stop, due_all, over_all = d.sum([loss, float(self.stop_reason is not None), float(due), float(over)])
+                loss_sum, stop, due_all, over_all, dt_sum = d.sum([loss, float(self.stop_reason is not None), float(due),
+                                                                   float(over), dt])
+                self.hours += dt_sum / d.world / 3600.0  # the same on every rank: --total-minutes sets the lr from it
                 loss = loss_sum / d.world
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"step {self.step}: loss is {loss}; lower the learning rate or check the data")

@@ -90,10 +90,14 @@ class FitOptions:
         "(default 0: off)", type=float))
     schedule: str = field(default="plateau", metadata=flag(
         "plateau: halve the lr after --patience validations without improvement; cosine: linear warm-up "
-        "over --warmup-steps, then cosine decay to --final-lr at --total-steps", choices=("plateau", "cosine")))
+        "over --warmup-steps, then cosine decay to --final-lr at --total-steps (or --total-minutes)", choices=("plateau", "cosine")))
     warmup_steps: int = field(default=0, metadata=flag(type=int))
     total_steps: int | None = field(default=None, metadata=flag(
         "cosine: the planned length of the run in steps (default --max-steps)", type=int))
+    total_minutes: float | None = field(default=None, metadata=flag(
+        "cosine: the planned length of the run in minutes of training steps (resumes included) instead of "
+        "--total-steps: the decay follows the time trained, so it ends at --final-lr however fast the "
+        "machine steps (a GPU stage with a fixed budget)", type=float))
     final_lr: float = field(default=1e-6, metadata=flag(type=float))
     dev: Path | None = field(default=None, metadata=flag(
         "dev set folder (noisy/, clean/; e.g. from `devset --unseen`) scored by PESQ-WB every --dev-every "

@@ -163,12 +163,15 @@ def choose_settings(o: FitOptions, d: Dist, resume: ResumePoint | None) -> RunSe
 
 
 def schedule_length(o: FitOptions) -> int | None:
-    """Check the schedule's options; for the cosine schedule, the step at which the lr reaches
-    `final_lr` (--total-steps, else --max-steps)."""
+    """Check the schedule's options; for the cosine schedule over steps, the step at which the lr
+    reaches `final_lr` (--total-steps, else --max-steps); None for plateau or --total-minutes."""
     if o.schedule not in ("plateau", "cosine"):
         raise ValueError(f"schedule must be plateau or cosine, got {o.schedule!r}")
-    if o.schedule != "cosine":
-        return None
+    if o.total_minutes is not None and (o.schedule != "cosine" or o.total_steps or not o.total_minutes > 0):
+        raise ValueError(f"--total-minutes {o.total_minutes:g}: needs the cosine schedule, without --total-steps, "
+                         "and more than 0 minutes")
+    if o.schedule != "cosine" or o.total_minutes is not None:
+        return None  # plateau, or a cosine over the minutes trained (`loop.cosine_lr_by_time`)
     total = o.total_steps or o.max_steps
     if not total:
         raise ValueError("the cosine schedule needs --total-steps (or --max-steps)")

@@ -52,5 +52,5 @@ class RunFolder:
         if not self.enabled:
             return
         with open(self.metrics_path, "a", newline="") as f:
-            csv.writer(f).writerow([step, examples, f"{hours:.5f}", split, f"{loss:.6f}", f"{lr:.3e}",
+            csv.writer(f).writerow([step, examples, f"{hours:.7f}", split, f"{loss:.6f}", f"{lr:.3e}",
                                     f"{audio_rate:.2f}", f"{grad_norm:.4f}"])

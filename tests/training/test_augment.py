@@ -18,7 +18,7 @@ from training.data.mixing import active_rms
 from training.data.synthesis import AUGMENT_RECIPE, MixConfig, Synthesizer
 from training.evaluation.devscore import DevScore
 from training.fit import parse_mix_settings, parse_source_weights
-from training.loop import cosine_lr
+from training.loop import cosine_lr, cosine_lr_by_time
 
 SR = 16000
 
@@ -183,6 +183,47 @@ def test_cosine_schedule():
     assert cosine_lr(60, 1e-3, 10, 110, 1e-5) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
     assert cosine_lr(110, 1e-3, 10, 110, 1e-5) == pytest.approx(1e-5)
     assert cosine_lr(500, 1e-3, 10, 110, 1e-5) == pytest.approx(1e-5)
+
+
+def test_cosine_schedule_over_the_minutes_trained():
+    assert cosine_lr_by_time(0, 0.0, 1e-3, 10, 8.0, 0.0) == pytest.approx(1e-4)  # warm-up counts steps
+    assert cosine_lr_by_time(9, 0.5, 1e-3, 10, 8.0, 0.0) == pytest.approx(1e-3)
+    assert cosine_lr_by_time(10, 0.0, 1e-3, 10, 8.0, 1e-5) == pytest.approx(1e-3)
+    assert cosine_lr_by_time(10_000, 4.0, 1e-3, 10, 8.0, 1e-5) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5))
+    assert cosine_lr_by_time(20, 6.0, 1e-3, 10, 8.0, 1e-5) == pytest.approx(1e-5 + 0.5 * (1e-3 - 1e-5) * (1 - 0.5**0.5))
+    assert cosine_lr_by_time(20, 8.0, 1e-3, 10, 8.0, 1e-5) == pytest.approx(1e-5)
+    assert cosine_lr_by_time(20, 30.0, 1e-3, 10, 8.0, 1e-5) == pytest.approx(1e-5)
+
+
+def test_fit_decays_the_lr_over_the_minutes_it_trains_and_resumes_on_that_clock(corpus, tiny_config, cache_dir,
+                                                                                 tmp_path, capsys):
+    import csv
+
+    import torch
+
+    out = tmp_path / "run"
+    args = ["fit", "--config", str(tiny_config), "--data", str(corpus), "--out", str(out), "--max-steps", "4",
+            "--batch-size", "2", "--segment-seconds", "0.5", "--valid-every", "0", "--log-every", "1",
+            "--norm-examples", "8", "--valid-examples", "4", "--valid-seconds", "1", "--cache-dir", str(cache_dir),
+            "--threads", "1", "--precision", "fp32", "--lr", "1e-3", "--jobs", "1", "--quiet",
+            "--schedule", "cosine", "--warmup-steps", "1", "--total-minutes", "0.01", "--final-lr", "1e-5"]
+    threads = torch.get_num_threads()
+    try:
+        assert train_main(args) == 0
+        assert train_main([*args[:args.index("--max-steps") + 1], "7", *args[args.index("--max-steps") + 2:],
+                           "--resume"]) == 0
+        assert train_main([*args, "--total-steps", "9"]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert "--total-minutes 0.01: needs the cosine schedule, without --total-steps" in capsys.readouterr().err
+    with open(out / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["split"] == "train"]
+    assert [int(r["step"]) for r in rows] == list(range(1, 8))
+    minutes = [0.0] + [60.0 * float(r["hours"]) for r in rows]  # trained before each step
+    assert np.all(np.diff(minutes) > 0)
+    for r, before in zip(rows, minutes):  # the row of step s: the update that used the lr of step s - 1
+        want = cosine_lr_by_time(int(r["step"]) - 1, before, 1e-3, 1, 0.01, 1e-5)
+        assert float(r["lr"]) == pytest.approx(want, abs=1e-3 * 1e-3)  # the csv's rounding of hours and lr
 
 
 def test_dev_score_counts_residual_noise_and_speech_and_trades_neither():

@@ -60,7 +60,7 @@ def test_run_trains_averages_and_reports(carried, tmp_path, monkeypatch):
     out = tmp_path / "OUT"
     monkeypatch.chdir(root)
     rc = gpustage.main(["run", "--plan", "gpu-carry/plan.json", "--minutes", "1.5", "--out", str(out), "--",
-                        "--max-steps", "2"])
+                        "--max-steps", "2", "--schedule", "cosine", "--warmup-steps", "1"])
     summary = json.loads((out / "summary.json").read_text())
     assert rc == 0, summary
     assert summary["status"] == "ok" and summary["error"] is None
@@ -73,9 +73,19 @@ def test_run_trains_averages_and_reports(carried, tmp_path, monkeypatch):
     cmd = summary["fit"]["command"]
     assert cmd[cmd.index("--init") + 1].endswith("piece-00/init.pt") and cmd[cmd.index("--precision") + 1] == "bf16"
     assert (root / ".gpu/shards/index.json").is_file()
+    minutes = float(cmd[cmd.index("--max-minutes") + 1])  # the cosine decays over the fit's share of its budget
+    assert float(cmd[cmd.index("--total-minutes") + 1]) == pytest.approx(gpustage.SCHEDULE_SHARE * minutes, abs=1e-3)
     from enhancer import load_checkpoint
 
     assert load_checkpoint(out / "gpustage.pt").checkpoint["extra"]["averaged"]
+    trained = 60.0 * float((out / "metrics.csv").read_text().splitlines()[-1].split(",")[2])
+    again = tmp_path / "OUT2"  # a second run resumes the run and its schedule: the minutes trained count
+    assert gpustage.main(["run", "--plan", "gpu-carry/plan.json", "--minutes", "1.5", "--out", str(again), "--",
+                          "--max-steps", "3", "--schedule", "cosine", "--warmup-steps", "1"]) == 0
+    cmd = json.loads((again / "summary.json").read_text())["fit"]["command"]
+    assert "--init" not in cmd and trained > 0
+    total, minutes = (float(cmd[cmd.index(f) + 1]) for f in ("--total-minutes", "--max-minutes"))
+    assert total == pytest.approx(trained + gpustage.SCHEDULE_SHARE * minutes, abs=1e-3)
 
 
 def test_a_damaged_piece_stops_the_run_at_once(carried, tmp_path, monkeypatch):
