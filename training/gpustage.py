@@ -35,11 +35,13 @@ row every 15 s), gpustage.log and summary.json (status, error, timings, steps, t
 Expected (docs/training-log.md; batch 128 of 4 s, bf16, 14 mixing processes): one arm alone 2,990
 audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an H200 (phase 17); two arms side
 by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220 steps each), ~2,060-2,100 each on
-an H100 (phase 18). Those runs' trainer received every batch through the pool's pipes, 100-230 ms of
-its CPU per batch on the 2-core EPYC; the feeder now writes into shared memory (about 1 ms), so a
+an H100 (phase 18). Those runs' trainer received every batch through the pool's pipes, 125-224 ms of
+its CPU per batch on the 2-core EPYC; the feeder now writes into shared memory (0.6-3.8 ms), so a
 run should step faster, up to the model step alone (6,700 audio-s/s at bf16 on an H100). So
 `--minutes 8` trains ~6.5 minutes: at least ~2,300 steps, ~1.15 M audio-s (~320 h of mixtures);
-summary.json flags a median under 2,000 on CUDA.
+summary.json flags a median under 2,000 on CUDA. If summary.json then shows the card busy and the rate near the model step's, `run ... -- --compile`
+doubles the model step (13,000 audio-s/s compiled on an H100) for a compilation in the first step
+(`fit --compile --init models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC: 89 s, then it ran).
 Then, on the CPU (phase 20's recipe), the unseen dev set deciding:
 
     OMP_NUM_THREADS=1 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\
