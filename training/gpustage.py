@@ -39,10 +39,11 @@ an H100 (phase 18). Those runs' trainer received every batch through the pool's 
 its CPU per batch on the 2-core EPYC; the feeder now writes into shared memory (0.6-3.8 ms), so a
 run should step faster, up to the model step alone (6,700 audio-s/s at bf16 on an H100). So
 `--minutes 8` trains ~6.5 minutes: at least ~2,300 steps, ~1.15 M audio-s (~320 h of mixtures);
-summary.json flags a median under 2,000 on CUDA. If it then shows the card busy and the rate near
-the model step's, `run ... -- --compile` doubles the model step (13,000 audio-s/s compiled on an
-H100) for a compilation in the first step (`fit --compile --init models/tim.pt`, batch 2 of 2 s,
-bf16, on the 2-core EPYC: 89 s, then it ran).
+summary.json flags a median under 2,000 on CUDA. Its `fit.result.data_wait_share` is the share of
+the steps' time spent waiting for batches: near 1, the mixing bounds the run; near 0, the model step
+does, and `run ... -- --compile` doubles it (13,000 audio-s/s compiled on an H100) for a compilation
+in the first step (`fit --compile --init models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC:
+89 s, then it ran).
 Then, on the CPU (phase 20's recipe), the unseen dev set deciding:
 
     OMP_NUM_THREADS=1 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\

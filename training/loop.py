@@ -149,6 +149,7 @@ class Trainer:
         self.total_steps: int | None = None  # cosine schedule: the step at which the lr reaches final_lr
         self.dev_scorer: DevScorer | None = None
         self.saved_step = -1  # the step of the last checkpoint written (-1: none in this run)
+        self.data_wait_s = 0.0  # this invocation's time in train_step waiting for (or making) its batches
 
     @staticmethod
     def _log(msg: str) -> None:
@@ -209,10 +210,12 @@ class Trainer:
     def train_step(self) -> tuple[float, float]:
         d = self.dist
         first = self.examples + d.rank * self.batch_size
+        t0 = time.perf_counter()
         if self.feeder is not None:
             noisy, clean, bw = self.feeder.next(first)
         else:
             noisy, clean, bw = self.synth.batch(range(first, first + self.batch_size))
+        self.data_wait_s += time.perf_counter() - t0
         noisy, clean, bw = (torch.from_numpy(a).to(d.device, non_blocking=True) for a in (noisy, clean, bw))
         self.opt.zero_grad(set_to_none=True)
         if self.opts.schedule == "cosine":
@@ -278,7 +281,7 @@ class Trainer:
         start = last_ckpt = time.time()
         progress = Progress(o.max_steps, self.step, enabled=d.main and not o.quiet)
         acc_loss = acc_n = 0
-        acc_time = 0.0
+        acc_time = step_s = 0.0
         rate = float("nan")
         handlers = stop_on_signals(self._stop)
         try:
@@ -297,7 +300,7 @@ class Trainer:
                 loss = loss_sum / d.world
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"step {self.step}: loss is {loss}; lower the learning rate or check the data")
-                acc_loss, acc_n, acc_time = acc_loss + loss, acc_n + 1, acc_time + dt
+                acc_loss, acc_n, acc_time, step_s = acc_loss + loss, acc_n + 1, acc_time + dt, step_s + dt
                 if acc_n >= o.log_every:
                     rate = seconds_per_step * acc_n / acc_time
                     self._metrics_row("train", acc_loss / acc_n, rate, gnorm)
@@ -323,7 +326,10 @@ class Trainer:
         self.log(f"stopped at step {self.step}: {self.stop_reason}; checkpoints in {self.ckpt.dir}")
         return {"step": self.step, "stop_reason": self.stop_reason, "best_valid": self.best,
                 "best_dev": self.best_dev.to_dict() if self.best_dev is not None else None,
-                "audio_s_per_s": rate, "checkpoint": str(self.ckpt.latest())}
+                "audio_s_per_s": rate, "checkpoint": str(self.ckpt.latest()),
+                # the share of the steps' time spent waiting for batches: near 0, the device (or the
+                # trainer's core) bounds the run; near 1, the mixing does (more --data-workers)
+                "data_wait_share": self.data_wait_s / step_s if step_s > 0 else None}
 
     def _validate_and_save(self, progress: Progress, due: bool) -> bool:
         """At this step: validate (every `valid_every`), score the dev set (every `dev_every`) and
