@@ -252,11 +252,18 @@ def _join(plan: dict, land: Path, log) -> Path:
     return shards
 
 
-def _throughput(metrics: Path) -> dict:
+def _train_rows(metrics: Path) -> list[dict]:
+    """The train rows of a run folder's metrics.csv (none for a new run)."""
     import csv
 
+    if not metrics.is_file():
+        return []
     with open(metrics, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["split"] == "train" and r["audio_s_per_s"] not in ("", "nan")]
+        return [r for r in csv.DictReader(f) if r["split"] == "train"]
+
+
+def _throughput(metrics: Path) -> dict:
+    rows = [r for r in _train_rows(metrics) if r["audio_s_per_s"] not in ("", "nan")]
     rates = sorted(float(r["audio_s_per_s"]) for r in rows)
     if not rates:
         return {"rows": 0}
@@ -267,13 +274,8 @@ def _throughput(metrics: Path) -> dict:
 
 def _trained_minutes(metrics: Path) -> float:
     """Minutes of training steps a run folder's metrics record (0 for a new run)."""
-    import csv
-
-    if not metrics.is_file():
-        return 0.0
-    with open(metrics, newline="") as f:
-        hours = [float(r["hours"]) for r in csv.DictReader(f) if r["split"] == "train"]
-    return 60.0 * hours[-1] if hours else 0.0
+    rows = _train_rows(metrics)
+    return 60.0 * float(rows[-1]["hours"]) if rows else 0.0
 
 
 def _sub(cmd: list, site: Path | None, timeout: float) -> subprocess.CompletedProcess:

@@ -76,19 +76,20 @@ def context_note(cfg: ModelConfig, segment_samples: int) -> str | None:
 def cosine_lr(step: int, peak: float, warmup: int, total: int, final: float) -> float:
     """Linear warm-up from 0 to `peak` over `warmup` steps, then a half cosine down to `final` at
     `total` (and `final` after it)."""
-    if warmup > 0 and step < warmup:
-        return peak * (step + 1) / warmup
-    span = max(1, total - warmup)
-    t = min(1.0, max(0.0, (step - warmup) / span))
-    return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * t))
+    return _warmup_then_cosine(step, peak, warmup, final, (step - warmup) / max(1, total - warmup))
 
 
 def cosine_lr_by_time(step: int, minutes: float, peak: float, warmup: int, total_minutes: float, final: float) -> float:
     """`cosine_lr` with the decay over time: after the `warmup` steps, a half cosine from `peak` to
     `final` over the first `total_minutes` of training (`final` after it)."""
+    return _warmup_then_cosine(step, peak, warmup, final, minutes / total_minutes)
+
+
+def _warmup_then_cosine(step: int, peak: float, warmup: int, final: float, t: float) -> float:
+    """The warm-up's lr for a step below `warmup`, else the half cosine's at `t` (clipped to [0, 1])."""
     if warmup > 0 and step < warmup:
         return peak * (step + 1) / warmup
-    t = min(1.0, max(0.0, minutes / total_minutes))
+    t = min(1.0, max(0.0, t))
     return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * t))
 
 
