@@ -160,6 +160,48 @@ def test_eval_input_errors(tiny_onnx, tmp_path, capsys):
     assert "atten_lim_db must be >= 0 dB" in capsys.readouterr().err
 
 
+def test_oracle_is_the_ideal_gain_on_the_model_stft():
+    from training.evaluation.evaluate import OracleRunner
+
+    oracle = OracleRunner()
+    x = speechlike(16000 * 2, seed=4)
+    # the clean speech a fixed share of the noisy input: the gain is that share in every bin
+    assert_close_to_peak(oracle(x, 0.5 * x), 0.5 * x)
+    # clean louder than noisy: the gain stops at 1, the input comes back as it was
+    assert_close_to_peak(oracle(x, 2.0 * x), x)
+    # no noise: the clean speech comes back; silence: nothing does
+    assert_close_to_peak(oracle(x, x), x)
+    assert_close_to_peak(oracle(x, np.zeros_like(x)), np.zeros_like(x), plus=0.0)
+    # white noise at 0 dB: the ideal gain lifts SI-SDR by far more than a model of this size would need
+    noise = np.random.default_rng(5).standard_normal(len(x)).astype(np.float32) * np.std(x)
+    assert si_sdr(x, oracle(x + noise, x)) > si_sdr(x, x + noise) + 8.0
+
+
+def test_eval_oracle_scores_the_ideal_gain(tmp_path, capsys):
+    noisy, clean = make_pairs(tmp_path / "n", n=2, noise=0.05)
+    out = tmp_path / "oracle"
+    assert main(["eval", "--oracle", "--noisy", str(noisy), "--clean", str(clean), "--out", str(out), "--no-dnsmos"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "oracle (ideal gain)" and summary["files"] == 2
+    assert summary["enhanced"]["pesq_wb"] > summary["noisy"]["pesq_wb"] + 1.0
+    rows = read_rows(out)
+    for name, row in rows.items():
+        ref, _ = sf.read(str(clean / name), dtype="float32")
+        enh, _ = sf.read(str(out / "enhanced" / name), dtype="float32")
+        assert float(row["enhanced_si_sdr"]) == pytest.approx(si_sdr(ref, enh), abs=1e-3)
+    # errors: no clean reference, pairs out of step, with a model too
+    assert main(["eval", "--oracle", "--noisy", str(noisy), "--out", str(tmp_path / "o"), "--no-dnsmos"]) == 2
+    assert "--oracle needs the clean reference" in capsys.readouterr().err
+    sf.write(str(clean / "f0.wav"), speechlike(16000, seed=6), 16000)
+    assert main(["eval", "--oracle", "--noisy", str(noisy), "--clean", str(clean), "--out", str(tmp_path / "o"),
+                 "--no-dnsmos"]) == 2
+    assert "sample-aligned pairs: the clean file has 16000 samples, the noisy one 40000" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--oracle", "--model", "m.onnx", "--noisy", str(noisy), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 @needs_dnsmos
 def test_dnsmos_prefers_clean_speech():
     from training.data.mixing import mix

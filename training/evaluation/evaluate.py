@@ -2,7 +2,10 @@
 
 The model is an exported `.onnx` step graph (run by the numpy/onnxruntime runtime) or a training
 checkpoint (run by the torch offline reference; with `--streaming` it is exported first). With
-`--streaming` every file goes through the streaming runtime in random chunk sizes. Everything is
+`--streaming` every file goes through the streaming runtime in random chunk sizes. `--oracle` scores
+the ideal gain instead of a model: each bin of the model's STFT scaled by the clean magnitude over
+the noisy, at most 1, and resynthesised with the noisy phase (`OracleRunner`), the best any model
+with this output (a gain in [0, 1] on the noisy magnitude) can do on the files. Everything is
 scored at 16 kHz. Writes:
 
     OUT/summary.json   {"files": N, "noisy": {"pesq_wb", "stoi", "estoi", "si_sdr", "dnsmos_ovrl", ...}, "enhanced": {...}}
@@ -68,7 +71,7 @@ class ModelRunner:
 
         self.enhancer = Enhancer.from_pretrained(path, providers=["CPUExecutionProvider"])
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray, clean: np.ndarray | None = None) -> np.ndarray:
         if self.torch_model is not None:
             import torch
 
@@ -84,6 +87,25 @@ class ModelRunner:
             i += n
         out.append(s.flush())
         return np.concatenate(out)
+
+
+class OracleRunner:
+    """The ideal gain of the model's output: min(|S| / |X|, 1) on the STFT the model uses (512
+    points, 16 ms hop, sqrt-Hann), applied to the noisy spectrum X and resynthesised with its phase.
+    It needs the clean speech S, sample-aligned with the noisy input."""
+
+    def __call__(self, x: np.ndarray, clean: np.ndarray | None = None) -> np.ndarray:
+        from enhancer.signal import istft, stft
+
+        if clean is None:
+            raise DataError("--oracle needs the clean reference of every file (--clean)")
+        if len(clean) != len(x):
+            raise DataError(f"--oracle needs sample-aligned pairs: the clean file has {len(clean)} samples, "
+                            f"the noisy one {len(x)}")
+        noisy_spec, clean_spec = stft(x), stft(clean)
+        mag = np.abs(noisy_spec)
+        gain = np.minimum(np.abs(clean_spec) / np.maximum(mag, np.finfo(np.float32).tiny), 1.0)
+        return istft(noisy_spec * gain, len(x))
 
 
 # --------------------------------------------------------------------------- scoring (worker side)
@@ -123,9 +145,10 @@ def _score_job(args):
 # --------------------------------------------------------------------------- driver
 def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=None, jobs: int = 1,
              write_audio: bool = True, seed: int = 0, log=None, progress: bool = True,
-             atten_lim_db: float | None = None) -> dict:
+             atten_lim_db: float | None = None, oracle: bool = False) -> dict:
     """Enhance and score every pair; write the reports to `out`; return the summary. Says what it
-    scores and shows a progress bar on stderr (`progress=False`: neither)."""
+    scores and shows a progress bar on stderr (`progress=False`: neither). `oracle`: score
+    `OracleRunner` instead of a model (`model` is then None)."""
     from tqdm import tqdm
 
     log = log or ((lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None))
@@ -133,8 +156,15 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
         raise DataError("nothing to evaluate: no file pairs")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runner = ModelRunner(model, streaming, seed, work_dir=out, atten_lim_db=atten_lim_db)
     has_clean = all(p.clean is not None for p in pairs)
+    if oracle:
+        if not has_clean:
+            raise DataError("--oracle needs the clean reference of every file (--clean)")
+        if streaming or atten_lim_db is not None:
+            raise DataError("--oracle takes neither --streaming nor --atten-lim-db")
+        runner, model = OracleRunner(), "oracle (ideal gain)"
+    else:
+        runner = ModelRunner(model, streaming, seed, work_dir=out, atten_lim_db=atten_lim_db)
     if not has_clean and any(p.clean is not None for p in pairs):
         raise DataError("some files have a clean reference and some do not")
     if not has_clean and dnsmos_dir is None:
@@ -152,7 +182,7 @@ def evaluate(model, pairs: list[Pair], out, streaming: bool = False, dnsmos_dir=
         for pair in pairs:
             noisy = read16k(pair.noisy)
             clean = read16k(pair.clean) if pair.clean is not None else None
-            enhanced = runner(noisy)  # (n,) 16 kHz
+            enhanced = runner(noisy, clean)  # (n,) 16 kHz
             seconds[pair.name] = len(noisy) / SAMPLE_RATE
             if write_audio:
                 import soundfile as sf
@@ -251,7 +281,11 @@ def add_eval(sub, dnsmos_dir: Path | None = None) -> None:
     p = sub.add_parser("eval", help="score a model on paired noisy/clean folders",
                        description="Enhance noisy files and report PESQ-WB, STOI, ESTOI, SI-SDR and DNSMOS "
                                    "for the noisy input and the enhanced output.")
-    p.add_argument("--model", type=Path, required=True, help="exported .onnx model or training checkpoint (.pt)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", type=Path, help="exported .onnx model or training checkpoint (.pt)")
+    what.add_argument("--oracle", action="store_true",
+                      help="score the ideal gain instead of a model: the clean magnitude over the noisy, at most 1, "
+                           "with the noisy phase (needs --clean)")
     src = p.add_argument_group("files (one of)")
     src.add_argument("--noisy", type=Path, help="folder of noisy files")
     src.add_argument("--clean", type=Path, help="folder of clean references (same names or fileid_N); optional")
@@ -290,6 +324,6 @@ def cmd_eval(args) -> int:
     if args.dnsmos and not args.dnsmos.is_dir():
         raise DataError(f"--dnsmos: folder not found: {args.dnsmos}")
     summary = evaluate(args.model, pairs, args.out, args.streaming, dnsmos_dir, args.jobs, not args.no_audio, args.seed,
-                       atten_lim_db=args.atten_lim_db)
+                       atten_lim_db=args.atten_lim_db, oracle=args.oracle)
     print((Path(args.out) / "summary.md").read_text(), end="")
     return 0 if summary["files"] else 1
