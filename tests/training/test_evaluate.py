@@ -196,6 +196,9 @@ def test_eval_oracle_scores_the_ideal_gain(tmp_path, capsys):
     assert main(["eval", "--oracle", "--noisy", str(noisy), "--clean", str(clean), "--out", str(tmp_path / "o"),
                  "--no-dnsmos"]) == 2
     assert "sample-aligned pairs: the clean file has 16000 samples, the noisy one 40000" in capsys.readouterr().err
+    assert main(["eval", "--oracle", "--noisy", str(noisy), "--clean", str(clean), "--out", str(tmp_path / "o"),
+                 "--no-dnsmos", "--streaming"]) == 2
+    assert "--oracle takes neither --streaming nor --atten-lim-db" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["eval", "--oracle", "--model", "m.onnx", "--noisy", str(noisy), "--out", str(tmp_path / "o")])
     assert e.value.code == 2
