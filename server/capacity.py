@@ -176,12 +176,15 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def emulate_loop(stepping: list, loop_s: float, hop_s: float, done: threading.Event) -> None:
+def emulate_loop(stepping: list, loop_s: float, hop_s: float, done: threading.Event) -> list[int]:
     """Until `done`: each hop, `loop_s` of work per lane being stepped (`sum(stepping)`), one stream's
-    share at a time, spread evenly over the hop."""
+    share at a time, spread evenly over the hop. Returns the lanes of every hop it ran (a hop it fell
+    behind on by more than one hop is skipped, as a late event loop would)."""
     tick = time.perf_counter()
+    ran = []
     while not done.is_set():
         lanes = sum(stepping)
+        ran.append(lanes)
         for k in range(max(lanes, 1)):
             if lanes:
                 _busy(loop_s)
@@ -189,6 +192,7 @@ def emulate_loop(stepping: list, loop_s: float, hop_s: float, done: threading.Ev
             if wait > 0:
                 done.wait(wait)
         tick = max(tick + hop_s, time.perf_counter() - hop_s)
+    return ran
 
 
 def calibrate_pool(pool, hop_s: float, budget_s: float, max_lanes: int, deadline: float, reps: int = REPS,

@@ -273,11 +273,11 @@ def test_one_preempted_step_changes_neither_worker_s_capacity(clock):
 
 
 def test_calibration_reproduces_the_event_loop_work_of_the_lanes_being_stepped():
-    stepping, done, used = [2, 1], threading.Event(), []
+    stepping, done, used, ran = [2, 1], threading.Event(), [], []
 
     def run():
         t0 = time.thread_time()
-        calibration.emulate_loop(stepping, 0.001, HOP_S, done)
+        ran.extend(calibration.emulate_loop(stepping, 0.001, HOP_S, done))
         used.append(time.thread_time() - t0)
 
     t = threading.Thread(target=run)
@@ -287,7 +287,10 @@ def test_calibration_reproduces_the_event_loop_work_of_the_lanes_being_stepped()
     done.set()
     t.join()
     hops = (time.perf_counter() - wall) / HOP_S
-    assert used[0] == pytest.approx(3 * 0.001 * hops, rel=0.25)  # 1 ms per lane and hop, 3 lanes
+    # 1 ms of this thread's CPU per lane in every hop it ran (3 lanes), never more hops than the time
+    # held; on a loaded machine it may run fewer (the thread gets less CPU), never less work per hop
+    assert set(ran) == {3} and 1 <= len(ran) <= hops + 1
+    assert used[0] == pytest.approx(3 * 0.001 * len(ran), rel=0.25)
 
 
 def test_server_calibrates_at_start_up_before_it_is_ready(model_path):
