@@ -92,13 +92,12 @@ class ModelRunner:
 class OracleRunner:
     """The ideal gain of the model's output: min(|S| / |X|, 1) on the STFT the model uses (512
     points, 16 ms hop, sqrt-Hann), applied to the noisy spectrum X and resynthesised with its phase.
-    It needs the clean speech S, sample-aligned with the noisy input."""
+    It needs the clean speech S, sample-aligned with the noisy input (`evaluate` checks that every
+    pair has one before it starts)."""
 
-    def __call__(self, x: np.ndarray, clean: np.ndarray | None = None) -> np.ndarray:
+    def __call__(self, x: np.ndarray, clean: np.ndarray) -> np.ndarray:
         from enhancer.signal import istft, stft
 
-        if clean is None:
-            raise DataError("--oracle needs the clean reference of every file (--clean)")
         if len(clean) != len(x):
             raise DataError(f"--oracle needs sample-aligned pairs: the clean file has {len(clean)} samples, "
                             f"the noisy one {len(x)}")
