@@ -1,7 +1,8 @@
-"""`enhancer-train grow`: a wider model that computes exactly what a trained one computes, or the
-same weights with another attention window.
+"""`enhancer-train grow`: a wider or deeper model that starts from what a trained one computes, or
+the same weights with another attention window.
 
     enhancer-train grow models/tim.pt --d-ffn 1024 -o runs/wide-init.pt
+    enhancer-train grow models/tim.pt --blocks 9 -o runs/deep-init.pt
     enhancer-train fit --init runs/wide-init.pt ...   # fine-tune the wider model
     enhancer-train grow models/tim.pt --attention-window 64 -o runs/w64-init.pt
     enhancer-train fit --init runs/w64-init.pt --teacher models/tim.pt --teacher-weight 20 ...
@@ -11,6 +12,15 @@ take random input weights (the initialisation of a fresh model) and zero output 
 so the grown model's output equals the trained one's (to float rounding) and training starts from
 its quality rather than from scratch (Net2Net, Chen et al. 2016, with a zero-output variant of its
 widening). With n mechanisms, each mechanism's feed-forward layer grows by the same share.
+
+`--blocks N` inserts blocks after the last TIM block (for a model without mechanisms, before its
+last ordinary blocks). Each new block copies the input side of the block before it (competition,
+Q/K/V, inter-mechanism Q/K/V, feed-forward input) and starts with zero output projections, its
+first norms plain (scale 1, shift 0) and its last norm the previous block's. With its sublayers
+silent it computes g * normalize(x) + b on an x that is already g * z + b: the identity when the
+previous norm's scale g is uniform, and close to it for trained weights (the shipped model's
+output within 30-43 dB, as its norm scales lie within a few percent of their mean). Post-norm
+blocks admit no exact identity, so unlike `--d-ffn` this is a warm start, not the same output.
 
 `--attention-window` keeps every tensor and changes only how many past frames each frame attends to
 (the mask in training, the key/value rings of the live step): a shorter window makes a cheaper live
@@ -27,9 +37,11 @@ from enhancer import load_checkpoint, save_checkpoint
 from .data.manifests import DataError
 
 
-def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attention_window: int | None = None) -> Path:
+def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attention_window: int | None = None,
+                    blocks: int | None = None) -> Path:
     """Write to `out` the checkpoint of `path` with feed-forward width `d_ffn` (>= the current one;
-    None: the same) and attention window `attention_window` (None: the same)."""
+    None: the same), attention window `attention_window` (None: the same) and `blocks` encoder
+    blocks (>= the current number; None: the same)."""
     import torch
 
     from enhancer.model import build_model
@@ -44,10 +56,17 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
         raise DataError(f"--d-ffn {d_ffn}: grow only widens (the checkpoint has {cfg.d_ffn})")
     if d_ffn % cfg.n_mechanisms:
         raise DataError(f"--d-ffn {d_ffn}: must be a multiple of the {cfg.n_mechanisms} mechanisms")
-    new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window)
+    n_layers = cfg.n_layers if blocks is None else blocks
+    if n_layers < cfg.n_layers:
+        raise DataError(f"--blocks {n_layers}: grow only adds blocks (the checkpoint has {cfg.n_layers})")
+    at = cfg.n_layers - cfg.last_plain  # where new blocks go: after the last TIM block
+    if n_layers > cfg.n_layers and at < 1:
+        raise DataError(f"--blocks {n_layers}: no block before the last {cfg.last_plain} ordinary one(s) to copy")
+    wide_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window)
+    new_cfg = dataclasses.replace(wide_cfg, n_layers=n_layers)
     with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state
         torch.manual_seed(seed)
-        new = build_model(new_cfg)
+        new = build_model(wide_cfg)
     own, src = new.state_dict(), old.state_dict()
     state = {}
     for k, v in own.items():
@@ -61,9 +80,38 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
         idx = tuple(slice(0, n) for n in s.shape)
         grown[idx] = s
         state[k] = grown
+    if n_layers > cfg.n_layers:
+        state = _insert_blocks(state, at, n_layers - cfg.n_layers)
+        with torch.random.fork_rng():
+            new = build_model(new_cfg)
     new.load_state_dict(state)
     return save_checkpoint(new, new_cfg, out, grown_from={"path": str(path), "d_ffn": cfg.d_ffn, "seed": seed,
-                                                           "attention_window": cfg.attention_window})
+                                                           "attention_window": cfg.attention_window,
+                                                           "blocks": cfg.n_layers})
+
+
+_SILENT = ("out.", "inter_out.", "ffn_out.")  # a new block's output projections: zero
+_PLAIN = ("norm_attn.", "norm_inter.")  # its first norms: scale 1, shift 0 (norm_ffn: the previous block's)
+
+
+def _insert_blocks(state: dict, at: int, count: int) -> dict:
+    """`state` with `count` blocks inserted at index `at`, each a silent copy of block `at - 1`."""
+    out = {}
+    for k, v in state.items():
+        if not k.startswith("blocks."):
+            out[k] = v
+            continue
+        _, i, rest = k.split(".", 2)
+        i = int(i)
+        out[f"blocks.{i if i < at else i + count}.{rest}"] = v
+        if i == at - 1:
+            if rest.startswith(_SILENT):
+                v = v.new_zeros(v.shape)
+            elif rest.startswith(_PLAIN):
+                v = v.new_ones(v.shape) if rest.endswith("weight") else v.new_zeros(v.shape)
+            for j in range(count):
+                out[f"blocks.{at + j}.{rest}"] = v.clone()
+    return out
 
 
 def add_grow(sub) -> None:
@@ -73,14 +121,18 @@ def add_grow(sub) -> None:
     p.add_argument("--d-ffn", type=int, help="the new feed-forward width (all blocks)")
     p.add_argument("--attention-window", type=int, metavar="FRAMES",
                    help="frames each frame attends to (itself and FRAMES-1 past ones); the weights are kept")
+    p.add_argument("--blocks", type=int, metavar="N",
+                   help="the new number of encoder blocks (added after the last TIM block, near-silent)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new units' input weights")
     p.add_argument("-o", "--out", required=True, help="the grown checkpoint (.pt)")
 
     def run(args) -> int:
-        if args.d_ffn is None and args.attention_window is None:
-            p.error("give --d-ffn, --attention-window or both")
-        out = grow_checkpoint(args.checkpoint, args.out, args.d_ffn, seed=args.seed, attention_window=args.attention_window)
-        changes = [f"{name} {value}" for name, value in (("d_ffn", args.d_ffn), ("attention window", args.attention_window))
+        if args.d_ffn is None and args.attention_window is None and args.blocks is None:
+            p.error("give --d-ffn, --blocks, --attention-window or several")
+        out = grow_checkpoint(args.checkpoint, args.out, args.d_ffn, seed=args.seed, attention_window=args.attention_window,
+                              blocks=args.blocks)
+        changes = [f"{name} {value}" for name, value in (("d_ffn", args.d_ffn), ("blocks", args.blocks),
+                                                          ("attention window", args.attention_window))
                    if value is not None]
         print(f"grew {args.checkpoint} to {', '.join(changes)}: {out}")
         return 0

@@ -74,3 +74,69 @@ def test_attention_window_keeps_every_tensor_and_changes_only_the_context(tmp_pa
     with pytest.raises(SystemExit):
         main(["grow", str(path), "-o", str(tmp_path / "x.pt")])
     assert not (tmp_path / "x.pt").exists()
+
+
+def _snr_db(want: torch.Tensor, got: torch.Tensor) -> float:
+    return float(10 * torch.log10((want ** 2).sum() / ((want - got) ** 2).sum().clamp_min(1e-30)))
+
+
+@pytest.mark.parametrize("mechanisms", [1, 2])
+def test_added_blocks_start_from_the_trained_output(tmp_path, mechanisms):
+    cfg = tiny_config(n_mechanisms=mechanisms)
+    path, small = checkpoint(tmp_path, "a.pt", 3, cfg=cfg)
+    at = cfg.n_layers - cfg.last_plain  # the new blocks go after the last TIM block
+    # a trained final norm is not a uniform scale: perturb the one the new blocks copy
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        norm = small.blocks[at - 1].norm_ffn
+        norm.weight.mul_(1 + 0.03 * torch.randn(norm.weight.shape, generator=g))
+        norm.bias.add_(0.02 * torch.randn(norm.bias.shape, generator=g))
+    from enhancer import save_checkpoint
+    save_checkpoint(small, cfg, path)
+    out = grow_checkpoint(path, tmp_path / "deep.pt", blocks=cfg.n_layers + 2)
+    deep = load_checkpoint(out)
+    assert deep.config.n_layers == cfg.n_layers + 2 and len(deep.blocks) == cfg.n_layers + 2
+    assert deep.config.n_tim_layers == small.config.n_tim_layers + (2 if mechanisms > 1 else 0)
+    s, d = small.state_dict(), deep.state_dict()
+    for k, v in s.items():  # every trained tensor kept, the blocks after the insertion shifted by two
+        if k.startswith("blocks."):
+            _, i, rest = k.split(".", 2)
+            k = f"blocks.{int(i) + 2 * (int(i) >= at)}.{rest}"
+        assert torch.equal(d[k], v), k
+    for j in (at, at + 1):  # the new blocks: the previous block's inputs, silent outputs
+        new, prev = deep.blocks[j], small.blocks[at - 1]
+        assert torch.equal(new.qkv.weight, prev.qkv.weight) and torch.equal(new.ffn_in.weight, prev.ffn_in.weight)
+        assert torch.count_nonzero(new.out.weight) == 0 and torch.count_nonzero(new.ffn_out.weight) == 0
+        assert torch.equal(new.norm_ffn.weight, prev.norm_ffn.weight)
+        assert torch.equal(new.norm_attn.weight, torch.ones_like(prev.norm_attn.weight))
+    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
+    small.eval()
+    deep.eval()
+    with torch.no_grad():
+        want, got = small.enhance(wav), deep.enhance(wav)
+    assert _snr_db(want, got) > 25  # close to the trained output (not exact: post-norm has no identity)
+    # with a uniform final norm the silent blocks are the identity
+    with torch.no_grad():
+        for m in (small, deep):
+            for j in [at - 1] + ([at, at + 1] if m is deep else []):
+                m.blocks[j].norm_ffn.weight.fill_(1.0)
+                m.blocks[j].norm_ffn.bias.zero_()
+        want, got = small.enhance(wav), deep.enhance(wav)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    # the silent outputs learn: their weights get a gradient
+    deep.train()
+    logmag = torch.randn(1, 20, cfg.n_freqs, generator=g) - 4.0
+    gains, _ = deep(logmag)
+    gains.mean().backward()
+    assert deep.blocks[at].out.weight.grad.abs().sum() > 0
+    assert deep.blocks[at].ffn_out.weight.grad.abs().sum() > 0
+
+
+def test_fewer_blocks_are_refused(tmp_path):
+    cfg = tiny_config()
+    path, _ = checkpoint(tmp_path, "a.pt", 3, cfg=cfg)
+    with pytest.raises(DataError, match="only adds blocks"):
+        grow_checkpoint(path, tmp_path / "x.pt", blocks=cfg.n_layers - 1)
+    assert not (tmp_path / "x.pt").exists()
+    assert main(["grow", str(path), "--blocks", str(cfg.n_layers + 1), "-o", str(tmp_path / "d.pt")]) == 0
+    assert load_checkpoint(tmp_path / "d.pt").checkpoint["extra"]["grown_from"]["blocks"] == cfg.n_layers
