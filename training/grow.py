@@ -60,8 +60,9 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
     if n_layers < cfg.n_layers:
         raise DataError(f"--blocks {n_layers}: grow only adds blocks (the checkpoint has {cfg.n_layers})")
     at = cfg.n_layers - cfg.last_plain  # where new blocks go: after the last TIM block
-    if n_layers > cfg.n_layers and at < 1:
-        raise DataError(f"--blocks {n_layers}: no block before the last {cfg.last_plain} ordinary one(s) to copy")
+    if n_layers > cfg.n_layers and (at < 1 or (cfg.n_mechanisms > 1 and not cfg.is_tim_layer(at - 1))):
+        raise DataError(f"--blocks {n_layers}: the checkpoint has no block to copy before its last "
+                        f"{cfg.last_plain} ordinary one(s)")
     wide_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window)
     new_cfg = dataclasses.replace(wide_cfg, n_layers=n_layers)
     with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state

@@ -138,5 +138,10 @@ def test_fewer_blocks_are_refused(tmp_path):
     with pytest.raises(DataError, match="only adds blocks"):
         grow_checkpoint(path, tmp_path / "x.pt", blocks=cfg.n_layers - 1)
     assert not (tmp_path / "x.pt").exists()
+    # mechanisms but no TIM block: no block of the right kind to copy
+    none_path, _ = checkpoint(tmp_path, "plain.pt", 3, cfg=tiny_config(n_mechanisms=2, first_plain=cfg.n_layers - 1))
+    with pytest.raises(DataError, match="no block to copy"):
+        grow_checkpoint(none_path, tmp_path / "x.pt", blocks=cfg.n_layers + 1)
+    assert not (tmp_path / "x.pt").exists()
     assert main(["grow", str(path), "--blocks", str(cfg.n_layers + 1), "-o", str(tmp_path / "d.pt")]) == 0
     assert load_checkpoint(tmp_path / "d.pt").checkpoint["extra"]["grown_from"]["blocks"] == cfg.n_layers
