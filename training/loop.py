@@ -17,6 +17,7 @@ checkpoint and model config), `prepare` (settings, data, model, dev scorer) and 
 """
 from __future__ import annotations
 
+import gc
 import math
 import signal
 import sys
@@ -380,6 +381,7 @@ def stop_on_signals(stop) -> dict:
 def fit(opts: FitOptions, data: TrainingData) -> dict:
     dist = Dist()
     finished = False
+    trainer = None
     try:
         trainer = Trainer(opts, data, dist)
         trainer.setup()
@@ -387,4 +389,8 @@ def fit(opts: FitOptions, data: TrainingData) -> dict:
         finished = True
         return result
     finally:
+        # the DistributedDataParallel wrapper holds the process group: drop it now, so that the group
+        # is torn down in `close` (after the peers' barrier) and not while the interpreter exits
+        trainer = None
+        gc.collect()
         dist.close(finished)
