@@ -63,12 +63,13 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
     if n_layers > cfg.n_layers and (at < 1 or (cfg.n_mechanisms > 1 and not cfg.is_tim_layer(at - 1))):
         raise DataError(f"--blocks {n_layers}: the checkpoint has no block to copy before its last "
                         f"{cfg.last_plain} ordinary one(s)")
-    wide_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window)
-    new_cfg = dataclasses.replace(wide_cfg, n_layers=n_layers)
+    new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window, n_layers=n_layers)
     with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state
         torch.manual_seed(seed)
-        new = build_model(wide_cfg)
+        new = build_model(new_cfg)
     own, src = new.state_dict(), old.state_dict()
+    if n_layers > cfg.n_layers:  # new blocks first, at the trained width; then every block widens alike
+        src = _insert_blocks(src, at, n_layers - cfg.n_layers)
     state = {}
     for k, v in own.items():
         s = src[k]
@@ -81,10 +82,6 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
         idx = tuple(slice(0, n) for n in s.shape)
         grown[idx] = s
         state[k] = grown
-    if n_layers > cfg.n_layers:
-        state = _insert_blocks(state, at, n_layers - cfg.n_layers)
-        with torch.random.fork_rng():
-            new = build_model(new_cfg)
     new.load_state_dict(state)
     return save_checkpoint(new, new_cfg, out, grown_from={"path": str(path), "d_ffn": cfg.d_ffn, "seed": seed,
                                                            "attention_window": cfg.attention_window,

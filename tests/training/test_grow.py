@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enhancer import load_checkpoint
+from enhancer import load_checkpoint, save_checkpoint
+from tests.tolerance import snr_db
 from tests.training.test_average import checkpoint, tiny_config
 from training.cli import main
 from training.data.manifests import DataError
@@ -76,10 +77,6 @@ def test_attention_window_keeps_every_tensor_and_changes_only_the_context(tmp_pa
     assert not (tmp_path / "x.pt").exists()
 
 
-def _snr_db(want: torch.Tensor, got: torch.Tensor) -> float:
-    return float(10 * torch.log10((want ** 2).sum() / ((want - got) ** 2).sum().clamp_min(1e-30)))
-
-
 @pytest.mark.parametrize("mechanisms", [1, 2])
 def test_added_blocks_start_from_the_trained_output(tmp_path, mechanisms):
     cfg = tiny_config(n_mechanisms=mechanisms)
@@ -91,7 +88,6 @@ def test_added_blocks_start_from_the_trained_output(tmp_path, mechanisms):
         norm = small.blocks[at - 1].norm_ffn
         norm.weight.mul_(1 + 0.03 * torch.randn(norm.weight.shape, generator=g))
         norm.bias.add_(0.02 * torch.randn(norm.bias.shape, generator=g))
-    from enhancer import save_checkpoint
     save_checkpoint(small, cfg, path)
     out = grow_checkpoint(path, tmp_path / "deep.pt", blocks=cfg.n_layers + 2)
     deep = load_checkpoint(out)
@@ -114,7 +110,7 @@ def test_added_blocks_start_from_the_trained_output(tmp_path, mechanisms):
     deep.eval()
     with torch.no_grad():
         want, got = small.enhance(wav), deep.enhance(wav)
-    assert _snr_db(want, got) > 25  # close to the trained output (not exact: post-norm has no identity)
+    assert snr_db(want, got) > 25  # close to the trained output (not exact: post-norm has no identity)
     # with a uniform final norm the silent blocks are the identity
     with torch.no_grad():
         for m in (small, deep):
