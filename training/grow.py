@@ -3,6 +3,7 @@ the same weights with another attention window.
 
     enhancer-train grow models/tim.pt --d-ffn 1024 -o runs/wide-init.pt
     enhancer-train grow models/tim.pt --blocks 9 -o runs/deep-init.pt
+    enhancer-train grow models/tim.pt --d-model 608 -o runs/broad-init.pt
     enhancer-train fit --init runs/wide-init.pt ...   # fine-tune the wider model
     enhancer-train grow models/tim.pt --attention-window 64 -o runs/w64-init.pt
     enhancer-train fit --init runs/w64-init.pt --teacher models/tim.pt --teacher-weight 20 ...
@@ -22,6 +23,13 @@ previous norm's scale g is uniform, and close to it for trained weights (the shi
 output within 30-43 dB, as its norm scales lie within a few percent of their mean). Post-norm
 blocks admit no exact identity, so unlike `--d-ffn` this is a warm start, not the same output.
 
+`--d-model` multiplies the hidden size by a whole factor k, and the attention heads with it (each
+keeps its width). Every unit of the residual stream is copied k times, inside its mechanism, and
+every weight that reads the stream is divided by k (Net2WiderNet, Chen et al. 2016, with uniform
+copies): a norm over k copies of a vector has that vector's mean and variance, a head copied k times
+attends as the trained one, so the wider model computes exactly what the trained one computes. The
+copies agree until training tells them apart: dropout gives each its own mask from the first step.
+
 `--attention-window` keeps every tensor and changes only how many past frames each frame attends to
 (the mask in training, the key/value rings of the live step): a shorter window makes a cheaper live
 step, whose output differs from the trained model's until it is fine-tuned (e.g. with the trained
@@ -38,10 +46,11 @@ from .data.manifests import DataError
 
 
 def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attention_window: int | None = None,
-                    blocks: int | None = None) -> Path:
+                    blocks: int | None = None, d_model: int | None = None) -> Path:
     """Write to `out` the checkpoint of `path` with feed-forward width `d_ffn` (>= the current one;
-    None: the same), attention window `attention_window` (None: the same) and `blocks` encoder
-    blocks (>= the current number; None: the same)."""
+    None: the same), attention window `attention_window` (None: the same), `blocks` encoder
+    blocks (>= the current number; None: the same) and hidden size `d_model` (a whole multiple of
+    the current one; None: the same)."""
     import torch
 
     from enhancer.model import build_model
@@ -63,13 +72,21 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
     if n_layers > cfg.n_layers and (at < 1 or (cfg.n_mechanisms > 1 and not cfg.is_tim_layer(at - 1))):
         raise DataError(f"--blocks {n_layers}: the checkpoint has no block to copy before its last "
                         f"{cfg.last_plain} ordinary one(s)")
-    new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window, n_layers=n_layers)
+    d_model = cfg.d_model if d_model is None else d_model
+    if d_model < cfg.d_model or d_model % cfg.d_model:
+        raise DataError(f"--d-model {d_model}: must be a whole multiple of the checkpoint's {cfg.d_model} "
+                        "(each unit is copied the same number of times)")
+    factor = d_model // cfg.d_model
+    new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window, n_layers=n_layers, d_model=d_model,
+                                  n_heads=cfg.n_heads * factor)
     with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state
         torch.manual_seed(seed)
         new = build_model(new_cfg)
     own, src = new.state_dict(), old.state_dict()
     if n_layers > cfg.n_layers:  # new blocks first, at the trained width; then every block widens alike
         src = _insert_blocks(src, at, n_layers - cfg.n_layers)
+    if factor > 1:  # then the stream widens: the same function, k copies of each unit
+        src = _widen_stream(src, cfg, factor)
     state = {}
     for k, v in own.items():
         s = src[k]
@@ -85,7 +102,7 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
     new.load_state_dict(state)
     return save_checkpoint(new, new_cfg, out, grown_from={"path": str(path), "d_ffn": cfg.d_ffn, "seed": seed,
                                                            "attention_window": cfg.attention_window,
-                                                           "blocks": cfg.n_layers})
+                                                           "blocks": cfg.n_layers, "d_model": cfg.d_model})
 
 
 _SILENT = ("out.", "inter_out.", "ffn_out.")  # a new block's output projections: zero
@@ -112,8 +129,67 @@ def _insert_blocks(state: dict, at: int, count: int) -> dict:
     return out
 
 
+# what each tensor of a block holds along its axes, after the group axis: "in" reads the stream
+# (copied rows, divided by k), "out" writes it (copied columns), "heads" is a head-major attention
+# layout of width d_mech (copied per part), "-" is left as it is
+_BLOCK_AXES = {
+    "competition.weight": ("in", "-"), "competition.bias": ("-",),
+    "qkv.weight": ("in", "heads3"), "qkv.bias": ("heads3",),
+    "out.weight": ("heads_in", "out"), "out.bias": ("out",),
+    "inter_qkv.weight": ("in", "-"), "inter_qkv.bias": ("-",),
+    "inter_out.weight": ("-", "out"), "inter_out.bias": ("out",),
+    "ffn_in.weight": ("in", "-"), "ffn_in.bias": ("-",),
+    "ffn_out.weight": ("-", "out"), "ffn_out.bias": ("out",),
+}
+
+
+def _widen_stream(state: dict, cfg, k: int) -> dict:
+    """`state` with the residual stream (and the attention heads) copied `k` times, the function kept.
+
+    The stream of n mechanisms of width m becomes n mechanisms of width k*m, unit r of mechanism j
+    holding old unit r mod m of j; a block's attention read-out of width m (heads x head width)
+    likewise. A head copied k times attends as the old one, so only the weights that read the
+    stream or a read-out are divided by k."""
+    import torch
+
+    m = cfg.d_model // cfg.n_mechanisms
+    n = torch.arange(k * cfg.d_model)
+    stream = (n // (k * m)) * m + (n % (k * m)) % m  # the whole stream, outside the grouped blocks
+
+    out = {}
+    for key, v in state.items():
+        if key.startswith("blocks."):
+            rest = key.split(".", 2)[2]
+            axes = ("out",) if rest.startswith("norm_") else _BLOCK_AXES[rest]  # a norm: (G, dm)
+            dm = cfg.d_model // v.shape[0]  # this block's group width (and read-out width)
+            # an ordinary block (one group) sees the whole stream; a TIM block one mechanism each
+            units = stream if v.shape[0] == 1 else torch.arange(k * dm) % dm
+            for axis, kind in enumerate(axes, start=1):
+                if kind == "heads3":  # (3 * dm) as (3, dm): q, k and v each copied
+                    j = torch.arange(3 * k * dm)
+                    v = v.index_select(axis, (j // (k * dm)) * dm + (j % (k * dm)) % dm)
+                elif kind == "heads_in":  # the read-out, head-major like the queries
+                    v = v.index_select(axis, torch.arange(k * dm) % dm) / k
+                elif kind != "-":
+                    v = v.index_select(axis, units)
+                    if kind == "in":
+                        v = v / k
+            out[key] = v
+        elif key.startswith("proj."):  # (d_model, c), (d_model,): writes the stream
+            out[key] = v.index_select(0, stream)
+        elif key == "head.weight":  # (F, d_model): reads it
+            out[key] = v.index_select(1, stream) / k
+        else:
+            out[key] = v
+    if "proj.weight" not in out:  # the pre-encoder's output was the stream itself: an identity, copied
+        eye = torch.eye(cfg.d_model, dtype=state["head.weight"].dtype)
+        out["proj.weight"] = eye.index_select(0, stream)
+        out["proj.bias"] = torch.zeros(k * cfg.d_model, dtype=eye.dtype)
+    return out
+
+
 def add_grow(sub) -> None:
-    p = sub.add_parser("grow", help="widen a trained model's feed-forward layers without changing its output, "
+    p = sub.add_parser("grow", help="widen a trained model (feed-forward layers, hidden size) without changing its output, deepen it, "
                        "or change its attention window", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", metavar="CKPT", help="the trained model (.pt)")
     p.add_argument("--d-ffn", type=int, help="the new feed-forward width (all blocks)")
@@ -121,15 +197,18 @@ def add_grow(sub) -> None:
                    help="frames each frame attends to (itself and FRAMES-1 past ones); the weights are kept")
     p.add_argument("--blocks", type=int, metavar="N",
                    help="the new number of encoder blocks (added after the last TIM block, near-silent)")
+    p.add_argument("--d-model", type=int, metavar="D",
+                   help="the new hidden size, a whole multiple of the current one (same output; heads multiply alike)")
     p.add_argument("--seed", type=int, default=0, help="seed of the new units' input weights")
     p.add_argument("-o", "--out", required=True, help="the grown checkpoint (.pt)")
 
     def run(args) -> int:
-        if args.d_ffn is None and args.attention_window is None and args.blocks is None:
-            p.error("give --d-ffn, --blocks, --attention-window or several")
+        if args.d_ffn is None and args.attention_window is None and args.blocks is None and args.d_model is None:
+            p.error("give --d-ffn, --d-model, --blocks, --attention-window or several")
         out = grow_checkpoint(args.checkpoint, args.out, args.d_ffn, seed=args.seed, attention_window=args.attention_window,
-                              blocks=args.blocks)
-        changes = [f"{name} {value}" for name, value in (("d_ffn", args.d_ffn), ("blocks", args.blocks),
+                              blocks=args.blocks, d_model=args.d_model)
+        changes = [f"{name} {value}" for name, value in (("d_ffn", args.d_ffn), ("d_model", args.d_model),
+                                                          ("blocks", args.blocks),
                                                           ("attention window", args.attention_window))
                    if value is not None]
         print(f"grew {args.checkpoint} to {', '.join(changes)}: {out}")

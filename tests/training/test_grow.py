@@ -141,3 +141,53 @@ def test_fewer_blocks_are_refused(tmp_path):
     assert not (tmp_path / "x.pt").exists()
     assert main(["grow", str(path), "--blocks", str(cfg.n_layers + 1), "-o", str(tmp_path / "d.pt")]) == 0
     assert load_checkpoint(tmp_path / "d.pt").checkpoint["extra"]["grown_from"]["blocks"] == cfg.n_layers
+
+
+@pytest.mark.parametrize("mechanisms,factor,c_out", [(1, 2, 32), (2, 2, 32), (2, 3, 24)])
+def test_wider_stream_computes_the_trained_function(tmp_path, mechanisms, factor, c_out):
+    # c_out 32 = d_model: the pre-encoder feeds the stream directly (no projection to copy)
+    cfg = tiny_config(n_mechanisms=mechanisms, conv_channels=(32, 32, 16, c_out))
+    path, small = checkpoint(tmp_path, "a.pt", 5, cfg=cfg)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():  # trained norms are not uniform: copies must keep each unit's own scale
+        for p in small.parameters():
+            if p.dim() == 2 and p.shape[-1] == cfg.d_model // p.shape[0]:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    save_checkpoint(small, cfg, path)
+    out = grow_checkpoint(path, tmp_path / "broad.pt", d_model=factor * cfg.d_model)
+    broad = load_checkpoint(out)
+    assert broad.config.d_model == factor * cfg.d_model and broad.config.n_heads == factor * cfg.n_heads
+    assert broad.config.head_dim == cfg.head_dim
+    assert broad.checkpoint["extra"]["grown_from"]["d_model"] == cfg.d_model
+    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
+    small.eval()
+    broad.eval()
+    with torch.no_grad():
+        want, got = small.enhance(wav), broad.enhance(wav)
+    assert snr_db(want, got) > 100  # the same function, to float rounding
+    # the competition scores agree too (the mechanisms keep their roles)
+    logmag = torch.randn(1, 30, cfg.n_freqs, generator=torch.Generator().manual_seed(7)) - 4.0
+    with torch.no_grad():
+        (ga, ca), (gb, cb) = small(logmag), broad(logmag)
+    torch.testing.assert_close(gb, ga, rtol=0, atol=1e-5)  # gains and scores lie in [0, 1]
+    if mechanisms > 1:
+        torch.testing.assert_close(cb, ca, rtol=0, atol=1e-5)
+    # every trained parameter is a copy: the broad stream holds each unit `factor` times
+    assert torch.equal(broad.blocks[0].norm_ffn.weight.unique(), small.blocks[0].norm_ffn.weight.unique())
+    # training tells the copies apart: with dropout their gradients differ
+    broad.train()
+    gains, _ = broad(logmag)
+    gains.mean().backward()
+    w = broad.blocks[0].ffn_in.weight.grad[0]  # (factor * dm, F): row r and its copies
+    dm = w.shape[0] // factor
+    assert not torch.allclose(w[:dm], w[dm:2 * dm])
+
+
+def test_odd_hidden_sizes_are_refused(tmp_path):
+    cfg = tiny_config(n_mechanisms=2)
+    path, _ = checkpoint(tmp_path, "a.pt", 3, cfg=cfg)
+    for d in (cfg.d_model - 2, cfg.d_model + cfg.d_model // 2):
+        with pytest.raises(DataError, match="whole multiple"):
+            grow_checkpoint(path, tmp_path / "x.pt", d_model=d)
+    assert not (tmp_path / "x.pt").exists()
+    assert main(["grow", str(path), "--d-model", str(2 * cfg.d_model), "-o", str(tmp_path / "b.pt")]) == 0
