@@ -130,8 +130,9 @@ def _insert_blocks(state: dict, at: int, count: int) -> dict:
 
 
 # what each tensor of a block holds along its axes, after the group axis: "in" reads the stream
-# (copied rows, divided by k), "out" writes it (copied columns), "heads" is a head-major attention
-# layout of width d_mech (copied per part), "-" is left as it is
+# (copied rows, divided by k), "out" writes it (copied columns), "heads3" holds queries, keys and
+# values, head-major (each copied), "heads_in" reads the heads' read-out (copied rows, divided by
+# k), "-" is left as it is (the competition score, the inter-mechanism and feed-forward hidden units)
 _BLOCK_AXES = {
     "competition.weight": ("in", "-"), "competition.bias": ("-",),
     "qkv.weight": ("in", "heads3"), "qkv.bias": ("heads3",),
