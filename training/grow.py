@@ -153,9 +153,11 @@ def _widen_stream(state: dict, cfg, k: int) -> dict:
     stream or a read-out are divided by k."""
     import torch
 
-    m = cfg.d_model // cfg.n_mechanisms
-    n = torch.arange(k * cfg.d_model)
-    stream = (n // (k * m)) * m + (n % (k * m)) % m  # the whole stream, outside the grouped blocks
+    def copies(parts: int, width: int):  # the index of `parts` runs of `width` units, each run copied k times
+        n = torch.arange(parts * k * width)
+        return (n // (k * width)) * width + n % (k * width) % width
+
+    stream = copies(cfg.n_mechanisms, cfg.d_model // cfg.n_mechanisms)  # the whole stream, outside the blocks
 
     out = {}
     for key, v in state.items():
@@ -164,16 +166,12 @@ def _widen_stream(state: dict, cfg, k: int) -> dict:
             axes = ("out",) if rest.startswith("norm_") else _BLOCK_AXES[rest]  # a norm: (G, dm)
             dm = cfg.d_model // v.shape[0]  # this block's group width (and read-out width)
             # an ordinary block (one group) sees the whole stream; a TIM block one mechanism each
-            units = stream if v.shape[0] == 1 else torch.arange(k * dm) % dm
+            units = stream if v.shape[0] == 1 else copies(1, dm)
+            index = {"in": units, "out": units, "heads3": copies(3, dm), "heads_in": copies(1, dm)}
             for axis, kind in enumerate(axes, start=1):
-                if kind == "heads3":  # (3 * dm) as (3, dm): q, k and v each copied
-                    j = torch.arange(3 * k * dm)
-                    v = v.index_select(axis, (j // (k * dm)) * dm + (j % (k * dm)) % dm)
-                elif kind == "heads_in":  # the read-out, head-major like the queries
-                    v = v.index_select(axis, torch.arange(k * dm) % dm) / k
-                elif kind != "-":
-                    v = v.index_select(axis, units)
-                    if kind == "in":
+                if kind != "-":  # heads3: (3 * dm) as (3, dm), q, k and v each copied
+                    v = v.index_select(axis, index[kind])
+                    if kind in ("in", "heads_in"):
                         v = v / k
             out[key] = v
         elif key.startswith("proj."):  # (d_model, c), (d_model,): writes the stream
