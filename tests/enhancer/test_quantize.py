@@ -14,10 +14,7 @@ from enhancer.graph_switch import all_nodes
 from enhancer.quantize import MIN_PARITY_SNR_DB, quantize_int8
 from enhancer.runtime import Enhancer
 from tests.conftest import speechlike
-
-
-def snr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    return float(10 * np.log10((ref.astype(np.float64) ** 2).sum() / ((ref - x).astype(np.float64) ** 2).sum()))
+from tests.tolerance import snr_db
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.tolerance import snr_db
 from tests.training.test_fit import fit_args, losses
 from training.cli import main
 from training.data.audio_cache import AudioSet
@@ -37,10 +38,6 @@ def noise_set(n: int = 3) -> AudioSet:
 def sets():
     return {("speech", "train"): speech_set(), ("speech", "valid"): speech_set(3, seed=50),
             ("noise", "train"): noise_set(), ("noise", "valid"): noise_set(2)}
-
-
-def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
-    return 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / np.sum((test.astype(np.float64) - ref) ** 2))
 
 
 def test_flac_round_trip_is_exact_to_16_bits_and_spreads_over_folders(tmp_path):
