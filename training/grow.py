@@ -4,6 +4,7 @@ the same weights with another attention window.
     enhancer-train grow models/tim.pt --d-ffn 1024 -o runs/wide-init.pt
     enhancer-train grow models/tim.pt --blocks 9 -o runs/deep-init.pt
     enhancer-train grow models/tim.pt --d-model 608 -o runs/broad-init.pt
+    enhancer-train grow models/tim.pt --conv-channels 1024,512,256,512 -o runs/conv-init.pt
     enhancer-train fit --init runs/wide-init.pt ...   # fine-tune the wider model
     enhancer-train grow models/tim.pt --attention-window 64 -o runs/w64-init.pt
     enhancer-train fit --init runs/w64-init.pt --teacher models/tim.pt --teacher-weight 20 ...
@@ -30,6 +31,14 @@ copies): a norm over k copies of a vector has that vector's mean and variance, a
 attends as the trained one, so the wider model computes exactly what the trained one computes. The
 copies agree until training tells them apart: dropout gives each its own mask from the first step.
 
+`--conv-channels` widens the pre-encoder's convolutions, each to a whole multiple of its width.
+Every output channel of a widened convolution is copied (its filter, bias and norm scale and
+shift), so its LayerNorm sees the same mean and variance and every copy the same activation; the
+next convolution (or the projection into the stream) reads the copies of a channel with weights
+that sum to the trained one's, split at random (Net2WiderNet, Chen et al. 2016). The output is the
+trained model's; the unequal split gives the copies different gradients, so they part from the
+first step.
+
 `--attention-window` keeps every tensor and changes only how many past frames each frame attends to
 (the mask in training, the key/value rings of the live step): a shorter window makes a cheaper live
 step, whose output differs from the trained model's until it is fine-tuned (e.g. with the trained
@@ -46,11 +55,13 @@ from .data.manifests import DataError
 
 
 def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attention_window: int | None = None,
-                    blocks: int | None = None, d_model: int | None = None) -> Path:
+                    blocks: int | None = None, d_model: int | None = None,
+                    conv_channels: tuple[int, ...] | None = None) -> Path:
     """Write to `out` the checkpoint of `path` with feed-forward width `d_ffn` (>= the current one;
     None: the same), attention window `attention_window` (None: the same), `blocks` encoder
-    blocks (>= the current number; None: the same) and hidden size `d_model` (a whole multiple of
-    the current one; None: the same)."""
+    blocks (>= the current number; None: the same), hidden size `d_model` (a whole multiple of
+    the current one; None: the same) and pre-encoder widths `conv_channels` (one per convolution,
+    each a whole multiple of the current one; None: the same)."""
     import torch
 
     from enhancer.model import build_model
@@ -77,8 +88,13 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
         raise DataError(f"--d-model {d_model}: must be a whole multiple of the checkpoint's {cfg.d_model} "
                         "(each unit is copied the same number of times)")
     factor = d_model // cfg.d_model
+    channels = tuple(cfg.conv_channels) if conv_channels is None else tuple(int(c) for c in conv_channels)
+    if len(channels) != len(cfg.conv_channels) or any(c < o or c % o for c, o in zip(channels, cfg.conv_channels)):
+        raise DataError(f"--conv-channels {','.join(map(str, channels))}: needs {len(cfg.conv_channels)} widths, "
+                        f"each a whole multiple of the checkpoint's "
+                        f"({','.join(map(str, cfg.conv_channels))})")
     new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window, n_layers=n_layers, d_model=d_model,
-                                  n_heads=cfg.n_heads * factor)
+                                  n_heads=cfg.n_heads * factor, conv_channels=channels)
     with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state
         torch.manual_seed(seed)
         new = build_model(new_cfg)
@@ -87,6 +103,11 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
         src = _insert_blocks(src, at, n_layers - cfg.n_layers)
     if factor > 1:  # then the stream widens: the same function, k copies of each unit
         src = _widen_stream(src, cfg, factor)
+    if channels != tuple(cfg.conv_channels):  # the pre-encoder widens on its own: copies, split reads
+        src = _widen_preencoder(src, tuple(cfg.conv_channels), channels, seed)
+    if "proj.weight" in src and "proj.weight" not in own:
+        raise DataError(f"a last pre-encoder width of {channels[-1]}, the hidden size, would drop the projection "
+                        "into the stream")
     state = {}
     for k, v in own.items():
         s = src[k]
@@ -102,7 +123,8 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
     new.load_state_dict(state)
     return save_checkpoint(new, new_cfg, out, grown_from={"path": str(path), "d_ffn": cfg.d_ffn, "seed": seed,
                                                            "attention_window": cfg.attention_window,
-                                                           "blocks": cfg.n_layers, "d_model": cfg.d_model})
+                                                           "blocks": cfg.n_layers, "d_model": cfg.d_model,
+                                                           "conv_channels": list(cfg.conv_channels)})
 
 
 _SILENT = ("out.", "inter_out.", "ffn_out.")  # a new block's output projections: zero
@@ -187,8 +209,47 @@ def _widen_stream(state: dict, cfg, k: int) -> dict:
     return out
 
 
+def _widen_preencoder(state: dict, old: tuple[int, ...], new: tuple[int, ...], seed: int) -> dict:
+    """`state` with pre-encoder convolution i's output channels copied new[i] / old[i] times, the
+    function kept: the copies of a channel are read by what follows (the next convolution, or the
+    projection into the stream) with weights split at random into parts that sum to the trained one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(state)
+    if new[-1] != old[-1] and "proj.weight" not in out:  # the last convolution wrote the stream: an identity to split
+        eye = torch.eye(old[-1], dtype=out["head.weight"].dtype)
+        out["proj.weight"], out["proj.bias"] = eye, torch.zeros(old[-1], dtype=eye.dtype)
+    for i, (o, n) in enumerate(zip(old, new)):
+        if n == o:
+            continue
+        k = n // o
+        index = torch.arange(n) % o  # channel c of the wide layer holds channel c mod o (copy c // o)
+        part = torch.rand(k, o, generator=gen) + 0.5
+        part = (part / part.sum(0)).reshape(-1)  # (n,): each channel's k parts sum to 1
+        pre = f"pre.layers.{i}."
+        for name in ("conv.weight", "conv.bias", "norm.weight", "norm.bias"):  # (c_out, ...): rows copied
+            out[pre + name] = out[pre + name].index_select(0, index)
+        if i + 1 < len(old):  # conv (c_out, c_in, K): reads the copies along axis 1
+            key = f"pre.layers.{i + 1}.conv.weight"
+            w = out[key].index_select(1, index)
+            out[key] = w * part.to(w.dtype)[None, :, None]
+        else:  # proj (d_model, c_out)
+            w = out["proj.weight"].index_select(1, index)
+            out["proj.weight"] = w * part.to(w.dtype)[None, :]
+    return out
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    """`--conv-channels 1024,512,256,512` -> (1024, 512, 256, 512)."""
+    return tuple(int(c) for c in text.split(","))
+
+
+_widths.__name__ = "comma-separated widths"  # argparse names the type in its error
+
+
 def add_grow(sub) -> None:
-    p = sub.add_parser("grow", help="widen a trained model (feed-forward layers, hidden size) without changing its output, deepen it, "
+    p = sub.add_parser("grow", help="widen a trained model (feed-forward layers, hidden size, pre-encoder) without changing its output, deepen it, "
                        "or change its attention window", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", metavar="CKPT", help="the trained model (.pt)")
     p.add_argument("--d-ffn", type=int, help="the new feed-forward width (all blocks)")
@@ -198,16 +259,20 @@ def add_grow(sub) -> None:
                    help="the new number of encoder blocks (added after the last TIM block, near-silent)")
     p.add_argument("--d-model", type=int, metavar="D",
                    help="the new hidden size, a whole multiple of the current one (same output; heads multiply alike)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the new units' input weights")
+    p.add_argument("--conv-channels", metavar="C0,C1,C2,C3", type=_widths,
+                   help="the pre-encoder's new widths, each a whole multiple of the current one (same output)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the new units' input weights and of the split reads")
     p.add_argument("-o", "--out", required=True, help="the grown checkpoint (.pt)")
 
     def run(args) -> int:
-        if args.d_ffn is None and args.attention_window is None and args.blocks is None and args.d_model is None:
-            p.error("give --d-ffn, --d-model, --blocks, --attention-window or several")
+        if (args.d_ffn is None and args.attention_window is None and args.blocks is None and args.d_model is None
+                and args.conv_channels is None):
+            p.error("give --d-ffn, --d-model, --conv-channels, --blocks, --attention-window or several")
         out = grow_checkpoint(args.checkpoint, args.out, args.d_ffn, seed=args.seed, attention_window=args.attention_window,
-                              blocks=args.blocks, d_model=args.d_model)
+                              blocks=args.blocks, d_model=args.d_model, conv_channels=args.conv_channels)
+        conv = None if args.conv_channels is None else ",".join(map(str, args.conv_channels))
         changes = [f"{name} {value}" for name, value in (("d_ffn", args.d_ffn), ("d_model", args.d_model),
-                                                          ("blocks", args.blocks),
+                                                          ("conv channels", conv), ("blocks", args.blocks),
                                                           ("attention window", args.attention_window))
                    if value is not None]
         print(f"grew {args.checkpoint} to {', '.join(changes)}: {out}")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from enhancer import load_checkpoint, save_checkpoint
-from tests.tolerance import snr_db
+from tests.enhancer.test_streaming import torch_streaming
+from tests.tolerance import assert_close_to_peak, snr_db
 from tests.training.test_average import checkpoint, tiny_config
 from training.cli import main
 from training.data.manifests import DataError
@@ -191,3 +192,59 @@ def test_odd_hidden_sizes_are_refused(tmp_path):
             grow_checkpoint(path, tmp_path / "x.pt", d_model=d)
     assert not (tmp_path / "x.pt").exists()
     assert main(["grow", str(path), "--d-model", str(2 * cfg.d_model), "-o", str(tmp_path / "b.pt")]) == 0
+
+
+@pytest.mark.parametrize("c_out,channels", [(24, (64, 32, 32, 48)), (32, (32, 32, 16, 64))])
+def test_wider_preencoder_computes_the_trained_function(tmp_path, c_out, channels):
+    # c_out 32 = d_model: the last convolution wrote the stream itself (an identity projection to split)
+    cfg = tiny_config(n_mechanisms=2, conv_channels=(32, 32, 16, c_out))
+    path, small = checkpoint(tmp_path, "a.pt", 8, cfg=cfg)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # trained norms are not uniform: each copy must keep its channel's own scale
+        for layer in small.pre.layers:
+            layer.norm.weight.mul_(1 + 0.3 * torch.randn(layer.norm.weight.shape, generator=g))
+            layer.norm.bias.add_(0.1 * torch.randn(layer.norm.bias.shape, generator=g))
+    save_checkpoint(small, cfg, path)
+    assert main(["grow", str(path), "--conv-channels", ",".join(map(str, channels)), "-o", str(tmp_path / "c.pt")]) == 0
+    wide = load_checkpoint(tmp_path / "c.pt")
+    assert wide.config.conv_channels == channels and wide.config.d_model == cfg.d_model
+    assert wide.checkpoint["extra"]["grown_from"]["conv_channels"] == list(cfg.conv_channels)
+    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
+    small.eval()
+    wide.eval()
+    with torch.no_grad():
+        want, got = small.enhance(wav), wide.enhance(wav)
+    assert snr_db(want, got) > 100  # the same function, to float rounding
+    # the step graph of the wider model (its convolution tails sized by the new widths) streams the same
+    assert_close_to_peak(torch_streaming(wide, wav[0].numpy()), got[0].numpy())
+    # each widened convolution holds its trained filters, copied; what reads the copies sums to the trained read
+    for i, (o, n) in enumerate(zip(cfg.conv_channels, channels)):
+        w_old, w_new = small.pre.layers[i].conv.weight.detach(), wide.pre.layers[i].conv.weight.detach()
+        rows = torch.arange(n) % o
+        if i:
+            reads = w_new
+            prev_o, prev_n = cfg.conv_channels[i - 1], channels[i - 1]
+            folded = reads.reshape(n, prev_n // prev_o, prev_o, -1).sum(1)  # the copies' parts summed
+            torch.testing.assert_close(folded, w_old.index_select(0, rows), rtol=1e-5, atol=1e-6 * float(w_old.abs().max()))
+        elif n == o:
+            assert torch.equal(w_new, w_old)
+    # the copies part under training: unequal splits give their filters different gradients
+    wide.train()
+    logmag = torch.randn(1, 30, cfg.n_freqs, generator=torch.Generator().manual_seed(7)) - 4.0
+    gains, _ = wide(logmag)
+    gains.mean().backward()
+    i = next(i for i, (o, n) in enumerate(zip(cfg.conv_channels, channels)) if n > o)
+    grad, o = wide.pre.layers[i].conv.weight.grad, cfg.conv_channels[i]
+    assert not torch.allclose(grad[:o], grad[o:2 * o])
+
+
+def test_odd_preencoder_widths_are_refused(tmp_path):
+    cfg = tiny_config(conv_channels=(32, 32, 16, 16))
+    path, _ = checkpoint(tmp_path, "a.pt", 3, cfg=cfg)
+    for channels in ((32, 32, 8, 16), (32, 32, 24, 16), (32, 32, 32)):
+        with pytest.raises(DataError, match="whole multiple"):
+            grow_checkpoint(path, tmp_path / "x.pt", conv_channels=channels)
+    assert cfg.d_model == 32
+    with pytest.raises(DataError, match="drop the projection"):  # a last width equal to the hidden size
+        grow_checkpoint(path, tmp_path / "x.pt", conv_channels=(32, 32, 16, 32))
+    assert not (tmp_path / "x.pt").exists()
