@@ -14,6 +14,15 @@ from training.data.manifests import DataError
 from training.grow import grow_checkpoint
 
 
+def same_input_outputs(trained, grown):
+    """Both models (in eval mode) enhance one 0.5 s noise signal: (trained's output, grown's)."""
+    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
+    trained.eval()
+    grown.eval()
+    with torch.no_grad():
+        return trained.enhance(wav), grown.enhance(wav)
+
+
 @pytest.mark.parametrize("mechanisms", [1, 2])
 def test_grown_model_has_the_same_output(tmp_path, mechanisms):
     cfg = tiny_config(n_mechanisms=mechanisms)
@@ -160,11 +169,7 @@ def test_wider_stream_computes_the_trained_function(tmp_path, mechanisms, factor
     assert broad.config.d_model == factor * cfg.d_model and broad.config.n_heads == factor * cfg.n_heads
     assert broad.config.head_dim == cfg.head_dim
     assert broad.checkpoint["extra"]["grown_from"]["d_model"] == cfg.d_model
-    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
-    small.eval()
-    broad.eval()
-    with torch.no_grad():
-        want, got = small.enhance(wav), broad.enhance(wav)
+    want, got = same_input_outputs(small, broad)
     assert snr_db(want, got) > 100  # the same function, to float rounding
     # the competition scores agree too (the mechanisms keep their roles)
     logmag = torch.randn(1, 30, cfg.n_freqs, generator=torch.Generator().manual_seed(7)) - 4.0
@@ -209,13 +214,10 @@ def test_wider_preencoder_computes_the_trained_function(tmp_path, c_out, channel
     wide = load_checkpoint(tmp_path / "c.pt")
     assert wide.config.conv_channels == channels and wide.config.d_model == cfg.d_model
     assert wide.checkpoint["extra"]["grown_from"]["conv_channels"] == list(cfg.conv_channels)
-    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
-    small.eval()
-    wide.eval()
-    with torch.no_grad():
-        want, got = small.enhance(wav), wide.enhance(wav)
+    want, got = same_input_outputs(small, wide)
     assert snr_db(want, got) > 100  # the same function, to float rounding
     # the step graph of the wider model (its convolution tails sized by the new widths) streams the same
+    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
     assert_close_to_peak(torch_streaming(wide, wav[0].numpy()), got[0].numpy())
     # each widened convolution holds its trained filters, copied; what reads the copies sums to the trained read
     for i, (o, n) in enumerate(zip(cfg.conv_channels, channels)):
