@@ -93,21 +93,25 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
         raise DataError(f"--conv-channels {','.join(map(str, channels))}: needs {len(cfg.conv_channels)} widths, "
                         f"each a whole multiple of the checkpoint's "
                         f"({','.join(map(str, cfg.conv_channels))})")
+    had_proj, has_proj = cfg.conv_channels[-1] != cfg.d_model, channels[-1] != d_model
+    if not has_proj and (had_proj or channels[-1] != cfg.conv_channels[-1]):
+        raise DataError(f"a last pre-encoder width of {channels[-1]}, the hidden size, would drop the projection "
+                        "into the stream")
     new_cfg = dataclasses.replace(cfg, d_ffn=d_ffn, attention_window=window, n_layers=n_layers, d_model=d_model,
                                   n_heads=cfg.n_heads * factor, conv_channels=channels)
     with torch.random.fork_rng():  # the new units' seed, without touching the caller's random state
         torch.manual_seed(seed)
         new = build_model(new_cfg)
     own, src = new.state_dict(), old.state_dict()
+    if has_proj and not had_proj:  # the pre-encoder wrote the stream itself: an identity projection, to widen
+        eye = torch.eye(cfg.d_model, dtype=src["head.weight"].dtype)
+        src = {**src, "proj.weight": eye, "proj.bias": torch.zeros(cfg.d_model, dtype=eye.dtype)}
     if n_layers > cfg.n_layers:  # new blocks first, at the trained width; then every block widens alike
         src = _insert_blocks(src, at, n_layers - cfg.n_layers)
     if factor > 1:  # then the stream widens: the same function, k copies of each unit
         src = _widen_stream(src, cfg, factor)
     if channels != tuple(cfg.conv_channels):  # the pre-encoder widens on its own: copies, split reads
         src = _widen_preencoder(src, tuple(cfg.conv_channels), channels, seed)
-    if "proj.weight" in src and "proj.weight" not in own:
-        raise DataError(f"a last pre-encoder width of {channels[-1]}, the hidden size, would drop the projection "
-                        "into the stream")
     state = {}
     for k, v in own.items():
         s = src[k]
@@ -202,10 +206,6 @@ def _widen_stream(state: dict, cfg, k: int) -> dict:
             out[key] = v.index_select(1, stream) / k
         else:
             out[key] = v
-    if "proj.weight" not in out:  # the pre-encoder's output was the stream itself: an identity, copied
-        eye = torch.eye(cfg.d_model, dtype=state["head.weight"].dtype)
-        out["proj.weight"] = eye.index_select(0, stream)
-        out["proj.bias"] = torch.zeros(k * cfg.d_model, dtype=eye.dtype)
     return out
 
 
@@ -217,9 +217,6 @@ def _widen_preencoder(state: dict, old: tuple[int, ...], new: tuple[int, ...], s
 
     gen = torch.Generator().manual_seed(seed)
     out = dict(state)
-    if new[-1] != old[-1] and "proj.weight" not in out:  # the last convolution wrote the stream: an identity to split
-        eye = torch.eye(old[-1], dtype=out["head.weight"].dtype)
-        out["proj.weight"], out["proj.bias"] = eye, torch.zeros(old[-1], dtype=eye.dtype)
     for i, (o, n) in enumerate(zip(old, new)):
         if n == o:
             continue

@@ -14,9 +14,14 @@ from training.data.manifests import DataError
 from training.grow import grow_checkpoint
 
 
+def noise_input() -> torch.Tensor:
+    """The (1, 8000) signal every test here enhances: 0.5 s of seeded noise."""
+    return 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
+
+
 def same_input_outputs(trained, grown):
-    """Both models (in eval mode) enhance one 0.5 s noise signal: (trained's output, grown's)."""
-    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
+    """Both models (in eval mode) enhance `noise_input()`: (trained's output, grown's)."""
+    wav = noise_input()
     trained.eval()
     grown.eval()
     with torch.no_grad():
@@ -32,9 +37,7 @@ def test_grown_model_has_the_same_output(tmp_path, mechanisms):
     wide = load_checkpoint(out)
     assert wide.config.d_ffn == 3 * cfg.d_ffn
     assert sum(p.numel() for p in wide.parameters()) > sum(p.numel() for p in small.parameters())
-    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = small.enhance(wav), wide.enhance(wav)
+    want, got = same_input_outputs(small, wide)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
     # the trained tensors are the leading slices of the grown ones
     s, w = small.state_dict(), wide.state_dict()
@@ -115,11 +118,7 @@ def test_added_blocks_start_from_the_trained_output(tmp_path, mechanisms):
         assert torch.count_nonzero(new.out.weight) == 0 and torch.count_nonzero(new.ffn_out.weight) == 0
         assert torch.equal(new.norm_ffn.weight, prev.norm_ffn.weight)
         assert torch.equal(new.norm_attn.weight, torch.ones_like(prev.norm_attn.weight))
-    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
-    small.eval()
-    deep.eval()
-    with torch.no_grad():
-        want, got = small.enhance(wav), deep.enhance(wav)
+    want, got = same_input_outputs(small, deep)
     assert snr_db(want, got) > 25  # close to the trained output (not exact: post-norm has no identity)
     # with a uniform final norm the silent blocks are the identity
     with torch.no_grad():
@@ -127,7 +126,7 @@ def test_added_blocks_start_from_the_trained_output(tmp_path, mechanisms):
             for j in [at - 1] + ([at, at + 1] if m is deep else []):
                 m.blocks[j].norm_ffn.weight.fill_(1.0)
                 m.blocks[j].norm_ffn.bias.zero_()
-        want, got = small.enhance(wav), deep.enhance(wav)
+    want, got = same_input_outputs(small, deep)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
     # the silent outputs learn: their weights get a gradient
     deep.train()
@@ -217,8 +216,7 @@ def test_wider_preencoder_computes_the_trained_function(tmp_path, c_out, channel
     want, got = same_input_outputs(small, wide)
     assert snr_db(want, got) > 100  # the same function, to float rounding
     # the step graph of the wider model (its convolution tails sized by the new widths) streams the same
-    wav = 0.1 * torch.randn(1, 8000, generator=torch.Generator().manual_seed(1))
-    assert_close_to_peak(torch_streaming(wide, wav[0].numpy()), got[0].numpy())
+    assert_close_to_peak(torch_streaming(wide, noise_input()[0].numpy()), got[0].numpy())
     # each widened convolution holds its trained filters, copied; what reads the copies sums to the trained read
     for i, (o, n) in enumerate(zip(cfg.conv_channels, channels)):
         w_old, w_new = small.pre.layers[i].conv.weight.detach(), wide.pre.layers[i].conv.weight.detach()
