@@ -222,12 +222,11 @@ def test_wider_preencoder_computes_the_trained_function(tmp_path, c_out, channel
         w_old, w_new = small.pre.layers[i].conv.weight.detach(), wide.pre.layers[i].conv.weight.detach()
         rows = torch.arange(n) % o
         if i:
-            reads = w_new
             prev_o, prev_n = cfg.conv_channels[i - 1], channels[i - 1]
-            folded = reads.reshape(n, prev_n // prev_o, prev_o, -1).sum(1)  # the copies' parts summed
+            folded = w_new.reshape(n, prev_n // prev_o, prev_o, -1).sum(1)  # the copies' parts summed
             torch.testing.assert_close(folded, w_old.index_select(0, rows), rtol=1e-5, atol=1e-6 * float(w_old.abs().max()))
-        elif n == o:
-            assert torch.equal(w_new, w_old)
+        else:  # the first reads the signal itself: its filters copied exactly
+            assert torch.equal(w_new, w_old.index_select(0, rows))
     # the copies part under training: unequal splits give their filters different gradients
     wide.train()
     logmag = torch.randn(1, 30, cfg.n_freqs, generator=torch.Generator().manual_seed(7)) - 4.0
