@@ -17,8 +17,10 @@ FORBIDDEN_PACKAGES = ("freedroidrpg", "lugaru", "unknown-horizons", "lincity")
 # evaluation material and held-out sources, as they would show in a package name or an out_path
 FORBIDDEN_NAMES = FORBIDDEN_PACKAGES + ("freedroid", "noisex", "asterisk-core-sounds-it", "testset", "test_set",
                                         "test-set", "/test/")
-# what libsndfile reads as shipped (no MP3, MIDI or tracker modules: .mod/.xm/.it/.s3m)
+# what libsndfile reads as shipped (no MIDI or tracker modules: .mod/.xm/.it/.s3m); MP3 (libsndfile >= 1.1)
+# only for the real ambient recordings, which one repository publishes as MP3 alone
 LIBSNDFILE_EXTENSIONS = (".ogg", ".opus", ".wav", ".flac")
+AMBIENT_EXTENSIONS = LIBSNDFILE_EXTENSIONS + (".mp3",)
 VOCAL_WORDS = re.compile(r"vocal|voice|song|sing|lyric|choir|(^|[^a-z])rap([^a-z]|$)", re.IGNORECASE)
 MAX_TRAIN_MINUTES_PER_PACKAGE = 90
 
@@ -110,7 +112,8 @@ def test_ambient_noise_is_real_training_material_pinned_to_a_commit():
     for r in ambient:
         assert r["split"] == "train" and r["out_path"].startswith("noise/ambient/"), r["out_path"]
         assert re.fullmatch(r"github:[\w.-]+/[\w.-]+", r["package"]) and re.fullmatch(r"[0-9a-f]{40}", r["version"]), r["package"]
-        assert r["out_path"].lower().endswith(LIBSNDFILE_EXTENSIONS) and not SYNTHETIC_OR_VOICE.search(r["out_path"]), r["out_path"]
+        assert r["out_path"].lower().endswith(AMBIENT_EXTENSIONS) and not SYNTHETIC_OR_VOICE.search(r["out_path"]), r["out_path"]
+        assert Path(r["deb_member"]).suffix == Path(r["out_path"]).suffix, r["out_path"]
         assert float(r["bandwidth_hz"]) == int(r["sample_rate"]) / 2, r["out_path"]
     assert all(r["group"].startswith("ambient ") for r in rows() if r["out_path"].startswith("noise/ambient/"))
 
