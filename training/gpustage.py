@@ -32,27 +32,38 @@ in $OUT, on failure too: gpustage.pt, metrics.csv, train.json, nvidia-smi.txt (t
 row every 15 s), gpustage.log and summary.json (status, error, timings, steps, throughput). A second
 `run` resumes the run (fit's default) and its schedule.
 
-Expected (docs/training-log.md; batch 128 of 4 s, bf16, 14 mixing processes): one arm alone 2,990
-audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an H200 (phase 17); two arms side
-by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220 steps each), ~2,060-2,100 each on
-an H100 (phase 18). Those runs' trainer received every batch through the pool's pipes, 125-224 ms of
-its CPU per batch on the 2-core EPYC; the feeder now writes into shared memory (0.6-3.8 ms), so a
-run should step faster, up to the model step alone (6,700 audio-s/s at bf16 on an H100). So
-`--minutes 8` trains ~6.5 minutes: at least ~2,300 steps, ~1.15 M audio-s (~320 h of mixtures);
-summary.json flags a median under 2,000 on CUDA. Its `fit.result.data_wait_share` is the share of
-the steps' time spent waiting for batches: near 1, the mixing bounds the run; near 0, the model step
-does, and `run ... -- --compile` doubles it (13,000 audio-s/s compiled on an H100) for a compilation
-in the first step (`fit --compile --init models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC:
-89 s, then it ran).
-Then, on the CPU (phase 20's recipe), the unseen dev set deciding:
+The fit flags after `--` replace the stage's recipe (`FIT`: phase 20's, one arm). Without them
+the segments follow the init's attention window: a third of each segment's frames see the whole
+window, as in the CPU stage (`training.loop.full_window_seconds`; 6.1 s for the shipped model's 256
+frames, 4 s for 128 or less), and the batch keeps 512 s of audio per step (84 x 6.1 s; 128 x 4 s).
+Flags whose segments are shorter than that get a warning at `prepare`, before any device time.
 
-    OMP_NUM_THREADS=1 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\
+Expected (docs/training-log.md; batch 128 of 4 s with a 128-frame window, bf16, 14 mixing processes):
+one arm alone 2,990 audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an H200
+(phase 17); two arms side by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220 steps
+each), ~2,060-2,100 each on an H100 (phase 18). Those runs' trainer received every batch through the
+pool's pipes, 125-224 ms of its CPU per batch on the 2-core EPYC; the feeder now writes into shared
+memory (0.6-3.8 ms), so a run should step faster, up to the model step alone (6,700 audio-s/s at
+bf16 on an H100, 2 s segments; longer segments cost more per second of audio, as the training
+forward computes the whole T x T attention). So `--minutes 8` trains ~6.5 minutes: at least ~1.15 M
+audio-s (~320 h of mixtures); summary.json flags a median under 2,000 on CUDA. Its
+`fit.result.data_wait_share` is the share of the steps' time spent waiting for batches: near 1, the
+mixing bounds the run; near 0, the model step does, and `run ... -- --compile` doubles it (13,000
+audio-s/s compiled on an H100) for a compilation in the first step (`fit --compile --init
+models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC: 89 s, then it ran).
+Then, on the CPU (the shipped model's last-stage recipe), the unseen dev set deciding:
+
+    OMP_NUM_THREADS=2 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\
         --augment --snr -5 25 --loss-floor 1e-2 --compressed-weight 20 --sisdr-weight 0.01 \\
         --overestimate-weight 2 --pesq-weight 2 --lr 2e-5 --schedule cosine --warmup-steps 50 \\
-        --total-steps 100000 --final-lr 2e-5 --batch-size 8 --segment-seconds 4 --precision bf16 \\
-        --threads 1 --seed 44 --checkpoint-minutes 6 --keep-last 40 --valid-every 0 --max-minutes 100
+        --total-steps 100000 --final-lr 2e-5 --batch-size 5 --segment-seconds 6.4 --precision bf16 \\
+        --threads 2 --seed 44 --checkpoint-minutes 6 --keep-last 40 --valid-every 0 --max-minutes 100
     enhancer-train average $(ls ../runs/gA/checkpoints/step-*.pt | tail -n +2) -o cand.pt
-    enhancer export cand.pt -o cand.onnx --fp16
+    # exported as the shipped graph is (models/MODEL_CARD.md): post-filters from the checkpoint's config,
+    # rings calibrated on validation mixtures (CALIB: enhancer-train devset --data ../enhancer-data
+    # --out CALIB -n 40 --real-pairs '')
+    enhancer export cand.pt -o cand-float.onnx --fp16 --save-checkpoint cand-half.pt
+    enhancer export cand-half.pt -o cand.onnx --fp16 --int8 --int8-rings --calibrate CALIB/noisy
     D=../enhancer-devset-unseen   # the shipped model's report: the same eval of models/tim.onnx
     enhancer-train eval --model cand.onnx --noisy $D/noisy --clean $D/clean --out ../runs/eval-cand --jobs 2
     enhancer-train compare --reference ../runs/eval-tim --candidate ../runs/eval-cand
@@ -80,7 +91,8 @@ CALL_MIB, MARGIN_MIB = 64.0, 4.0
 WHEELS = ("soundfile==0.14.0", "cffi==2.1.1", "soxr==1.1.0")  # not in the device image (cp312)
 FIT = ("--augment --snr -5 25 --loss-floor 1e-2 --compressed-weight 20 --sisdr-weight 0.01 --overestimate-weight 2 "
        "--pesq-weight 2 --lr 5e-5 --schedule cosine --warmup-steps 50 --final-lr 2e-6 "
-       "--batch-size 128 --segment-seconds 4 --seed 42 --valid-every 0")  # phase 20's recipe, one arm
+       "--seed 42 --valid-every 0")  # phase 20's recipe, one arm; the batch and segments from `default_fit`
+BATCH_AUDIO_S, MIN_SEGMENT_S = 512.0, 4.0  # phase 20's 128 x 4 s of audio per step
 PACK = ("--codec-for", "speech=flac", "--quality", "0.8", "--shard-mb", "14")  # phases 15 and 18
 LAND = ".gpu"  # on the device: ignored, so kept on the warm machine between calls
 # a cosine without --total-steps decays over this share of fit's minutes (--total-minutes): the
@@ -125,7 +137,34 @@ def _env(site: Path | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONUNBUFFERED": "1"}
 
 
-def prepare(a, fit_flags: list[str]) -> int:
+def default_fit(init: str | None) -> list[str]:
+    """`FIT` with segments long enough for a third of their frames to see the init's whole attention
+    window (`training.loop.full_window_seconds`: 6.1 s for the shipped model's 256 frames), at least
+    `MIN_SEGMENT_S`, and as many per batch as keep `BATCH_AUDIO_S` of audio per step."""
+    seconds = MIN_SEGMENT_S
+    if init:
+        from enhancer import load_checkpoint
+
+        from .loop import full_window_seconds
+
+        seconds = max(seconds, full_window_seconds(load_checkpoint(init).config))
+    return FIT.split() + ["--batch-size", str(round(BATCH_AUDIO_S / seconds)), "--segment-seconds", f"{seconds:g}"]
+
+
+def _segment_warning(init: str | None, fit_flags: list[str]) -> str | None:
+    """fit's `context_note` for the given `--segment-seconds` and the init's window, else None."""
+    if not init or "--segment-seconds" not in fit_flags[:-1]:
+        return None
+    from enhancer import load_checkpoint
+
+    from .loop import context_note
+
+    seconds = float(fit_flags[fit_flags.index("--segment-seconds") + 1])
+    cfg = load_checkpoint(init).config
+    return context_note(cfg, round(seconds * cfg.stft.sample_rate))
+
+
+def prepare(a, fit_flags: list[str] | None = None) -> int:
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise Failure(f"{out} is not empty: remove it first")
@@ -134,6 +173,9 @@ def prepare(a, fit_flags: list[str]) -> int:
         raise Failure(f"{out.name}/ is not ignored by git: every call would carry all of it (.gitignore)")
     if a.init and not Path(a.init).is_file():
         raise Failure(f"--init {a.init}: no such file")
+    fit_flags = fit_flags or default_fit(a.init)
+    if note := _segment_warning(a.init, fit_flags):
+        print(f"warning: --init {a.init}: {note}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     first = out / "piece-00"
     first.mkdir()
@@ -425,7 +467,7 @@ def main(argv=None) -> int:
         if not (a.data or a.staging):
             p.error("prepare needs --data or --staging")
         try:
-            return prepare(a, extra or FIT.split())
+            return prepare(a, extra)
         except (Failure, subprocess.CalledProcessError) as e:
             print(f"gpustage prepare: error: {e}", file=sys.stderr)
             return 2

@@ -53,6 +53,14 @@ from .resume import choose_model, restore_progress, resume_point
 from .runfolder import RunFolder
 
 
+def full_window_seconds(cfg: ModelConfig) -> float:
+    """The shortest training segment, in tenths of a second, of which at least a third of the frames
+    see the whole attention window (`context_note`)."""
+    window, la = cfg.attention_window, cfg.lookahead
+    shortest = math.ceil((3 * window - 3 - la) / 2)  # fewest frames with 3 * full >= trained
+    return math.ceil(10 * (shortest - 1) * cfg.stft.hop / cfg.stft.sample_rate) / 10
+
+
 def context_note(cfg: ModelConfig, segment_samples: int) -> str | None:
     """A note when training segments are too short for the model's attention window.
 
@@ -67,11 +75,9 @@ def context_note(cfg: ModelConfig, segment_samples: int) -> str | None:
     trained, full = frames - la, max(0, frames - window + 1)
     if 3 * full >= trained:
         return None
-    shortest = math.ceil((3 * window - 3 - la) / 2)  # fewest frames with 3 * full >= trained
-    seconds = math.ceil(10 * (shortest - 1) * cfg.stft.hop / cfg.stft.sample_rate) / 10
     return (f"note: {full} of the {trained} frames of a segment see the full {window}-frame attention window that "
-            f"frames see at inference; segments of {seconds:.1f} s or more (--segment-seconds, with a smaller "
-            f"--batch-size for the same audio per step) train the model on it")
+            f"frames see at inference; segments of {full_window_seconds(cfg):.1f} s or more (--segment-seconds, with "
+            f"a smaller --batch-size for the same audio per step) train the model on it")
 
 
 def cosine_lr(step: int, peak: float, warmup: int, total: int, final: float) -> float:

@@ -124,3 +124,33 @@ def test_the_run_shrinks_to_fit_the_device_budget(tmp_path, capsys):
     assert plan["calls"][-1]["command"].endswith("--minutes 7") and "11. carry" in capsys.readouterr().out
     assert gpustage.main([*args, "--out", str(tmp_path / "b" / "gpu-carry"), "--budget", "10"]) == 2
     assert "pack less" in capsys.readouterr().err
+
+
+def test_the_default_recipe_trains_the_shipped_model_on_its_whole_attention_window(tmp_path, capsys):
+    from enhancer import load_checkpoint
+    from training.loop import context_note
+
+    staging = tmp_path / "pack"
+    staging.mkdir()
+    (staging / "index.json").write_text(json.dumps({"sets": {"speech_train": {"seconds": 3600.0}}}))
+    (staging / "speech_train-000.flac").write_bytes(bytes(1 << 16))
+    init = str(gpustage.ROOT / "models" / "tim.pt")
+    args = ["prepare", "--staging", str(staging), "--no-wheels", "--init", init]
+
+    assert gpustage.main([*args, "--out", str(tmp_path / "a" / "gpu-carry")]) == 0
+    fit = json.loads((tmp_path / "a" / "gpu-carry" / "plan.json").read_text())["fit"]
+    seconds, batch = float(fit[fit.index("--segment-seconds") + 1]), int(fit[fit.index("--batch-size") + 1])
+    cfg = load_checkpoint(init).config
+    assert cfg.attention_window == 256 and seconds == 6.1 and batch == 84  # 512 s of audio per step
+    assert context_note(cfg, round(seconds * 16000)) is None  # a third of the frames see all 256
+    assert context_note(cfg, round((seconds - 0.1) * 16000)) is not None  # the shortest such segment
+    assert "warning" not in capsys.readouterr().err
+
+    # the recipe's 4 s segments: none of 249 trained frames sees the window; said before any device time
+    assert gpustage.main([*args, "--out", str(tmp_path / "b" / "gpu-carry"), "--",
+                          "--batch-size", "128", "--segment-seconds", "4"]) == 0
+    assert "0 of the 249 frames of a segment see the full 256-frame" in capsys.readouterr().err
+    assert json.loads((tmp_path / "b" / "gpu-carry" / "plan.json").read_text())["fit"] == [
+        "--batch-size", "128", "--segment-seconds", "4"]
+
+    assert gpustage.default_fit("")[-4:] == ["--batch-size", "128", "--segment-seconds", "4"]  # the preset
