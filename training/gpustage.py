@@ -1,13 +1,14 @@
 """A GPU stage prepared on the CPU: `python -m training.gpustage prepare` here, `run` on the GPU machine.
 
-The GPU machine takes one bash command per call, each call sending the working tree (about 38 MiB:
+The GPU machine takes one bash command per call, each call sending the working tree (about 41 MiB:
 the models are tracked) plus a few ignored paths, 64 MiB in all; it has no network and a few
 minutes of device time. So `prepare` does the slow and fallible steps here:
 
     python -m training.gpustage prepare --data ../enhancer-data --out gpu-carry -- <fit flags>
 
 packs the corpus (`enhancer-train pack`: the speech lossless, noise and music as Opus at quality
-0.8; `--hours`, default `HOURS`: ~220 MB, 10 pieces), tars it, splits the tar into
+0.9, about 30 kbit/s; `--hours`, default `HOURS`: 2 h of the speech, all 3.7 h of the noise and
+1.5 h of the music, 192 MiB, 11 pieces, 2.4 minutes on the 2-core EPYC), tars it, splits the tar into
 `gpu-carry/piece-NN/part-NN` of at most `--piece-mb` MiB (default: what a call leaves beside the
 tree, less 4 MiB), adds to
 piece-00 the wheels the device's Python 3.12 lacks (soundfile, cffi, soxr; torch, numpy, scipy, tqdm
@@ -45,8 +46,8 @@ each), ~2,060-2,100 each on an H100 (phase 18). Those runs' trainer received eve
 pool's pipes, 125-224 ms of its CPU per batch on the 2-core EPYC; the feeder now writes into shared
 memory (0.6-3.8 ms), so a run should step faster, up to the model step alone (6,700 audio-s/s at
 bf16 on an H100, 2 s segments; longer segments cost more per second of audio, as the training
-forward computes the whole T x T attention). So `--minutes 8` trains ~6.5 minutes: at least ~1.15 M
-audio-s (~320 h of mixtures); summary.json flags a median under 2,000 on CUDA. Its
+forward computes the whole T x T attention). So the 7 minutes that 11 pieces leave train ~6 minutes: at least ~1 M
+audio-s (~280 h of mixtures); summary.json flags a median under 2,000 on CUDA. Its
 `fit.result.data_wait_share` is the share of the steps' time spent waiting for batches: near 1, the
 mixing bounds the run; near 0, the model step does, and `run ... -- --compile` doubles it (13,000
 audio-s/s compiled on an H100) for a compilation in the first step (`fit --compile --init
@@ -93,7 +94,7 @@ FIT = ("--augment --snr -5 25 --loss-floor 1e-2 --compressed-weight 20 --sisdr-w
        "--pesq-weight 2 --lr 5e-5 --schedule cosine --warmup-steps 50 --final-lr 2e-6 "
        "--seed 42 --valid-every 0")  # phase 20's recipe, one arm; the batch and segments from `default_fit`
 BATCH_AUDIO_S, MIN_SEGMENT_S = 512.0, 4.0  # phase 20's 128 x 4 s of audio per step
-PACK = ("--codec-for", "speech=flac", "--quality", "0.8", "--shard-mb", "14")  # phases 15 and 18
+PACK = ("--codec-for", "speech=flac", "--quality", "0.9", "--shard-mb", "14")  # noise, music ~30 kbit/s: 11 pieces (0.8: 14)
 LAND = ".gpu"  # on the device: ignored, so kept on the warm machine between calls
 # a cosine without --total-steps decays over this share of fit's minutes (--total-minutes): the
 # rest goes to loading the shards, forking the workers and the checkpoints
