@@ -423,7 +423,10 @@ def run(a, extra: list[str]) -> int:
             if r.returncode:
                 raise Failure(f"average failed: {r.stderr[-800:]}")
             summary["checkpoint_sha256"] = sha256(out / "gpustage.pt")
-            summary["status"] = "ok" if rc == 0 else "partial"
+            # a SIGTERM that reached fit after it had stopped and printed its result (while its process
+            # exited) lost nothing; any other end leaves the run partial
+            finished = rc == 0 or (rc == -signal.SIGTERM and bool(results))
+            summary["status"] = "ok" if finished else "partial"
             stage("done")
         except Exception as e:  # whatever it was, the summary and the log say so
             summary["error"] = str(e) if isinstance(e, Failure) else f"{type(e).__name__}: {e}"

@@ -154,3 +154,25 @@ def test_the_default_recipe_trains_the_shipped_model_on_its_whole_attention_wind
         "--batch-size", "128", "--segment-seconds", "4"]
 
     assert gpustage.default_fit("")[-4:] == ["--batch-size", "128", "--segment-seconds", "4"]  # the preset
+
+
+@pytest.mark.parametrize("returncode, status", [(-15, "ok"), (-9, "partial")])
+def test_a_signal_after_fit_printed_its_result_loses_nothing(carried, tmp_path, monkeypatch, returncode, status):
+    """fit stops at --max-minutes, saves and prints its result; the stage's SIGTERM may still reach it
+    while its process exits (a 14 GB CPU run took 11 s): that run is whole. A SIGKILL is not."""
+    real = gpustage._fit
+
+    def late_signal(*args):
+        rc, text = real(*args)
+        assert rc == 0
+        return returncode, text
+
+    monkeypatch.setattr(gpustage, "_fit", late_signal)
+    monkeypatch.chdir(device_tree(carried, tmp_path))
+    out = tmp_path / "OUT"
+    rc = gpustage.main(["run", "--plan", "gpu-carry/plan.json", "--minutes", "1.5", "--out", str(out), "--",
+                        "--max-steps", "1"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == status and rc == (0 if status == "ok" else 1)
+    assert summary["fit"]["returncode"] == returncode and summary["fit"]["result"]["step"] == 1
+    assert (out / "gpustage.pt").is_file()
