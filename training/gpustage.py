@@ -7,16 +7,15 @@ minutes of device time. So `prepare` does the slow and fallible steps here:
     python -m training.gpustage prepare --data ../enhancer-data --out gpu-carry -- <fit flags>
 
 packs the corpus (`enhancer-train pack`: the speech lossless, noise and music as Opus at quality
-0.9, about 30 kbit/s; `--hours`, default `HOURS`: 2 h of the speech, all 3.7 h of the noise and
-1.5 h of the music, 192 MiB, 11 pieces, 2.4 minutes on the 2-core EPYC), tars it, splits the tar into
-`gpu-carry/piece-NN/part-NN` of at most `--piece-mb` MiB (default: what a call leaves beside the
-tree, less 4 MiB), adds to
-piece-00 the wheels the device's Python 3.12 lacks (soundfile, cffi, soxr; torch, numpy, scipy, tqdm
-are there) and the `--init` checkpoint (as float16) unless it is a tracked file, writes
-`gpu-carry/plan.json` (the sha256 of every file and of the tar, the fit flags, the calls, the
-outputs) and prints the calls, to make back to back (the machine goes back after 30 s idle): call k
-carries `gpu-carry/piece-k` and moves it into `.gpu/` (ignored: it stays on the warm machine); the
-last also carries the plan and runs, with the system python,
+0.8, 56 kbit/s; `--hours`, default `HOURS`: 2 h of the speech, all 3.7 h of the noise and 1.5 h of
+the music, 251 MiB, 14 pieces of 18.8 MiB, 2.5 minutes on the 2-core EPYC), tars it, splits the tar
+into `gpu-carry/piece-NN/part-NN` of at most `--piece-mb` MiB (default: what a call leaves beside
+the tree, less 4 MiB), adds to piece-00 the wheels the device's Python 3.12 lacks (soundfile, cffi,
+soxr; torch, numpy, scipy, tqdm are there) and the `--init` checkpoint (as float16) unless it is a
+tracked file, writes `gpu-carry/plan.json` (the sha256 of every file and of the tar, the fit flags,
+the calls, the outputs) and prints the calls, to make back to back (the machine goes back after 30 s
+idle): call k carries `gpu-carry/piece-k` and moves it into `.gpu/` (ignored: it stays on the warm
+machine); the last also carries the plan and runs, with the system python,
 
     PYTHONPATH=. python3 -m training.gpustage run --plan gpu-carry/plan.json --minutes 8
 
@@ -39,19 +38,19 @@ window, as in the CPU stage (`training.loop.full_window_seconds`; 6.1 s for the 
 frames, 4 s for 128 or less), and the batch keeps 512 s of audio per step (84 x 6.1 s; 128 x 4 s).
 Flags whose segments are shorter than that get a warning at `prepare`, before any device time.
 
-Expected (docs/training-log.md; batch 128 of 4 s with a 128-frame window, bf16, 14 mixing processes):
-one arm alone 2,990 audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an H200
-(phase 17); two arms side by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220 steps
-each), ~2,060-2,100 each on an H100 (phase 18). Those runs' trainer received every batch through the
-pool's pipes, 125-224 ms of its CPU per batch on the 2-core EPYC; the feeder now writes into shared
-memory (0.6-3.8 ms), so a run should step faster, up to the model step alone (6,700 audio-s/s at
-bf16 on an H100, 2 s segments; longer segments cost more per second of audio, as the training
-forward computes the whole T x T attention). So the 7 minutes that 11 pieces leave train ~6 minutes: at least ~1 M
-audio-s (~280 h of mixtures); summary.json flags a median under 2,000 on CUDA. Its
-`fit.result.data_wait_share` is the share of the steps' time spent waiting for batches: near 1, the
-mixing bounds the run; near 0, the model step does, and `run ... -- --compile` doubles it (13,000
-audio-s/s compiled on an H100) for a compilation in the first step (`fit --compile --init
-models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC: 89 s, then it ran).
+Expected (docs/training-log.md; batch 128 of 4 s with a 128-frame window, bf16, 14 mixing
+processes): one arm alone 2,990 audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an
+H200 (phase 17); two arms side by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220
+steps each), ~2,060-2,100 each on an H100 (phase 18). Those runs' trainer received every batch
+through the pool's pipes, 125-224 ms of its CPU per batch on the 2-core EPYC; the feeder now writes
+into shared memory (0.6-3.8 ms), so a run should step faster, up to the model step alone (6,700
+audio-s/s at bf16 on an H100, 2 s segments; longer segments cost more per second of audio, as the
+training forward computes the whole T x T attention). So the 5.5 minutes that 14 pieces leave of the
+15 train ~4.5 minutes: at least ~0.8 M audio-s (~220 h of mixtures); summary.json flags a median
+under 2,000 on CUDA. Its `fit.result.data_wait_share` is the share of the steps' time spent waiting
+for batches: near 1, the mixing bounds the run; near 0, the model step does, and `run ... --
+--compile` doubles it (13,000 audio-s/s compiled on an H100) for a compilation in the first step
+(`fit --compile --init models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC: 89 s, then it ran).
 Then, on the CPU (the shipped model's last-stage recipe), the unseen dev set deciding:
 
     OMP_NUM_THREADS=2 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\
@@ -94,7 +93,7 @@ FIT = ("--augment --snr -5 25 --loss-floor 1e-2 --compressed-weight 20 --sisdr-w
        "--pesq-weight 2 --lr 5e-5 --schedule cosine --warmup-steps 50 --final-lr 2e-6 "
        "--seed 42 --valid-every 0")  # phase 20's recipe, one arm; the batch and segments from `default_fit`
 BATCH_AUDIO_S, MIN_SEGMENT_S = 512.0, 4.0  # phase 20's 128 x 4 s of audio per step
-PACK = ("--codec-for", "speech=flac", "--quality", "0.9", "--shard-mb", "14")  # noise, music ~30 kbit/s: 11 pieces (0.8: 14)
+PACK = ("--codec-for", "speech=flac", "--quality", "0.8", "--shard-mb", "14")  # phases 15-20
 LAND = ".gpu"  # on the device: ignored, so kept on the warm machine between calls
 # a cosine without --total-steps decays over this share of fit's minutes (--total-minutes): the
 # rest goes to loading the shards, forking the workers and the checkpoints
