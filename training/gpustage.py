@@ -45,12 +45,14 @@ steps each), ~2,060-2,100 each on an H100 (phase 18). Those runs' trainer receiv
 through the pool's pipes, 125-224 ms of its CPU per batch on the 2-core EPYC; the feeder now writes
 into shared memory (0.6-3.8 ms), so a run should step faster, up to the model step alone (6,700
 audio-s/s at bf16 on an H100, 2 s segments; longer segments cost more per second of audio, as the
-training forward computes the whole T x T attention). So the 5.5 minutes that 14 pieces leave of the
-15 train ~4.5 minutes: at least ~0.8 M audio-s (~220 h of mixtures); summary.json flags a median
-under 2,000 on CUDA. Its `fit.result.data_wait_share` is the share of the steps' time spent waiting
-for batches: near 1, the mixing bounds the run; near 0, the model step does, and `run ... --
---compile` doubles it (13,000 audio-s/s compiled on an H100) for a compilation in the first step
-(`fit --compile --init models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC: 89 s, then it ran).
+training forward computes the whole T x T attention: `enhancer-train bench-fit --init models/tim.pt
+--precision bf16 --threads 2` on a 2-core AMD EPYC family 26 model 2 (Zen 5) gave 59 audio-s/s at 16
+x 4 s, 34 at 10 x 6.4 s and 28 at 8 x 8 s). So the 5.5 minutes that 14 pieces leave of the 15 train
+~4.5 minutes: about 0.6-0.8 M audio-s (170-220 h of mixtures); summary.json flags a median under 2,000
+on CUDA. Its `fit.result.data_wait_share` is the share of the steps' time spent waiting for batches:
+near 1, the mixing bounds the run; near 0, the model step does, and `run ... -- --compile` doubles
+it (13,000 audio-s/s compiled on an H100) for a compilation in the first step (`fit --compile --init
+models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC: 89 s, then it ran).
 Then, on the CPU (the shipped model's last-stage recipe), the unseen dev set deciding:
 
     OMP_NUM_THREADS=2 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\
