@@ -154,14 +154,17 @@ def default_fit(init: str | None) -> list[str]:
 
 
 def _segment_warning(init: str | None, fit_flags: list[str]) -> str | None:
-    """fit's `context_note` for the given `--segment-seconds` and the init's window, else None."""
-    if not init or "--segment-seconds" not in fit_flags[:-1]:
+    """fit's `context_note` for the flags' `--segment-seconds` (fit's default without it) and the
+    init's window, else None."""
+    if not init or "--config" in fit_flags:  # a config file may set the segments: fit says it then
         return None
     from enhancer import load_checkpoint
 
+    from .data.synthesis import MixConfig
     from .loop import context_note
 
-    seconds = float(fit_flags[fit_flags.index("--segment-seconds") + 1])
+    given = "--segment-seconds" in fit_flags[:-1]
+    seconds = float(fit_flags[fit_flags.index("--segment-seconds") + 1]) if given else MixConfig().segment_seconds
     cfg = load_checkpoint(init).config
     return context_note(cfg, round(seconds * cfg.stft.sample_rate))
 
