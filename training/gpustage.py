@@ -139,33 +139,29 @@ def _env(site: Path | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONUNBUFFERED": "1"}
 
 
-def default_fit(init: str | None) -> list[str]:
-    """`FIT` with segments long enough for a third of their frames to see the init's whole attention
-    window (`training.loop.full_window_seconds`: 6.1 s for the shipped model's 256 frames), at least
-    `MIN_SEGMENT_S`, and as many per batch as keep `BATCH_AUDIO_S` of audio per step."""
+def default_fit(cfg=None) -> list[str]:
+    """`FIT` with segments long enough for a third of their frames to see the whole attention window
+    of `cfg`, the init's config (`training.loop.full_window_seconds`: 6.1 s for the shipped model's
+    256 frames), at least `MIN_SEGMENT_S`, and as many per batch as keep `BATCH_AUDIO_S` of audio per
+    step."""
     seconds = MIN_SEGMENT_S
-    if init:
-        from enhancer import load_checkpoint
-
+    if cfg is not None:
         from .loop import full_window_seconds
 
-        seconds = max(seconds, full_window_seconds(load_checkpoint(init).config))
+        seconds = max(seconds, full_window_seconds(cfg))
     return FIT.split() + ["--batch-size", str(round(BATCH_AUDIO_S / seconds)), "--segment-seconds", f"{seconds:g}"]
 
 
-def _segment_warning(init: str | None, fit_flags: list[str]) -> str | None:
+def _segment_warning(cfg, fit_flags: list[str]) -> str | None:
     """fit's `context_note` for the flags' `--segment-seconds` (fit's default without it) and the
-    init's window, else None."""
-    if not init or "--config" in fit_flags:  # a config file may set the segments: fit says it then
+    window of `cfg`, the init's config, else None."""
+    if cfg is None or "--config" in fit_flags:  # a config file may set the segments: fit says it then
         return None
-    from enhancer import load_checkpoint
-
     from .data.synthesis import MixConfig
     from .loop import context_note
 
     given = "--segment-seconds" in fit_flags[:-1]
     seconds = float(fit_flags[fit_flags.index("--segment-seconds") + 1]) if given else MixConfig().segment_seconds
-    cfg = load_checkpoint(init).config
     return context_note(cfg, round(seconds * cfg.stft.sample_rate))
 
 
@@ -178,8 +174,15 @@ def prepare(a, fit_flags: list[str] | None = None) -> int:
         raise Failure(f"{out.name}/ is not ignored by git: every call would carry all of it (.gitignore)")
     if a.init and not Path(a.init).is_file():
         raise Failure(f"--init {a.init}: no such file")
-    fit_flags = fit_flags or default_fit(a.init)
-    if note := _segment_warning(a.init, fit_flags):
+    model = None
+    if a.init:
+        from enhancer import load_checkpoint
+
+        model = load_checkpoint(a.init)  # read once: its window sets the segments, and it may be carried
+    cfg = None if model is None else model.config
+    if not fit_flags:
+        fit_flags = default_fit(cfg)  # long enough by construction
+    elif note := _segment_warning(cfg, fit_flags):
         print(f"warning: --init {a.init}: {note}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     first = out / "piece-00"
@@ -193,11 +196,10 @@ def prepare(a, fit_flags: list[str] | None = None) -> int:
     index = json.loads((staging / "index.json").read_text())
     init = None
     if a.init:
-        src, rel = Path(a.init), tracked(Path(a.init))
+        rel = tracked(Path(a.init))
         if rel is None:  # not in the tree: carried in piece-00, as float16
-            from enhancer import load_checkpoint, save_checkpoint
+            from enhancer import save_checkpoint
 
-            model = load_checkpoint(src)
             save_checkpoint(model, model.config, first / "init.pt", half=True)
             rel = "piece-00/init.pt"
         init = rel

@@ -157,7 +157,7 @@ def test_the_default_recipe_trains_the_shipped_model_on_its_whole_attention_wind
     assert gpustage.main([*args, "--out", str(tmp_path / "c" / "gpu-carry"), "--", "--batch-size", "256"]) == 0
     assert "0 of the 124 frames of a segment see the full 256-frame" in capsys.readouterr().err
 
-    assert gpustage.default_fit("")[-4:] == ["--batch-size", "128", "--segment-seconds", "4"]  # the preset
+    assert gpustage.default_fit(None)[-4:] == ["--batch-size", "128", "--segment-seconds", "4"]  # the preset
 
 
 @pytest.mark.parametrize("returncode, status", [(-15, "ok"), (-9, "partial")])
