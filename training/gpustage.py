@@ -154,14 +154,18 @@ def default_fit(cfg=None) -> list[str]:
 
 def _segment_warning(cfg, fit_flags: list[str]) -> str | None:
     """fit's `context_note` for the flags' `--segment-seconds` (fit's default without it) and the
-    window of `cfg`, the init's config, else None."""
-    if cfg is None or "--config" in fit_flags:  # a config file may set the segments: fit says it then
+    window of `cfg`, the init's config, else None. The flags are read by fit's own parser (any
+    spelling it takes; one it refuses stops `prepare` with its message, before any device time)."""
+    if cfg is None:
         return None
+    from .cli import build_parser
     from .data.synthesis import MixConfig
     from .loop import context_note
 
-    given = "--segment-seconds" in fit_flags[:-1]
-    seconds = float(fit_flags[fit_flags.index("--segment-seconds") + 1]) if given else MixConfig().segment_seconds
+    flags = build_parser().parse_args(["fit", "--out", "-", *fit_flags])
+    if flags.config is not None:  # a model config may change the window: fit says it then
+        return None
+    seconds = flags.segment_seconds or MixConfig().segment_seconds
     return context_note(cfg, round(seconds * cfg.stft.sample_rate))
 
 

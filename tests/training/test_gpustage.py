@@ -157,6 +157,14 @@ def test_the_default_recipe_trains_the_shipped_model_on_its_whole_attention_wind
     assert gpustage.main([*args, "--out", str(tmp_path / "c" / "gpu-carry"), "--", "--batch-size", "256"]) == 0
     assert "0 of the 124 frames of a segment see the full 256-frame" in capsys.readouterr().err
 
+    # fit's other spellings of the flag are read as fit reads them; a flag fit refuses stops here
+    assert gpustage.main([*args, "--out", str(tmp_path / "d" / "gpu-carry"), "--", "--segment-seconds=6.4"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        gpustage.main([*args, "--out", str(tmp_path / "e" / "gpu-carry"), "--", "--segment-seconds", "six"])
+    assert stop.value.code == 2 and "--segment-seconds: invalid float value: 'six'" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+
     assert gpustage.default_fit(None)[-4:] == ["--batch-size", "128", "--segment-seconds", "4"]  # the preset
 
 
