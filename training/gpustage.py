@@ -1,14 +1,14 @@
 """A GPU stage prepared on the CPU: `python -m training.gpustage prepare` here, `run` on the GPU machine.
 
-The GPU machine takes one bash command per call, each call sending the working tree (about 41 MiB:
-the models are tracked) plus a few ignored paths, 64 MiB in all; it has no network and a few
-minutes of device time. So `prepare` does the slow and fallible steps here:
+The GPU machine takes one bash command per call, each call sending the working tree (about 35 MiB:
+the models are tracked; the corpus recipes are gzipped for this) plus a few ignored paths, 64 MiB in
+all; it has no network and a few minutes of device time. So `prepare` does the slow and fallible steps here:
 
     python -m training.gpustage prepare --data ../enhancer-data --out gpu-carry -- <fit flags>
 
 packs the corpus (`enhancer-train pack`: the speech lossless, noise and music as Opus at quality
 0.8, 56 kbit/s; `--hours`, default `HOURS`: 2 h of the speech, all 3.7 h of the noise and 1.5 h of
-the music, 251 MiB, 14 pieces of 18.8 MiB, 2.5 minutes on the 2-core EPYC), tars it, splits the tar
+the music, 251 MiB, 11 pieces of 24.8 MiB, 2.5 minutes on the 2-core EPYC), tars it, splits the tar
 into `gpu-carry/piece-NN/part-NN` of at most `--piece-mb` MiB (default: what a call leaves beside
 the tree, less 4 MiB), adds to piece-00 the wheels the device's Python 3.12 lacks (soundfile, cffi,
 soxr; torch, numpy, scipy, tqdm are there) and the `--init` checkpoint (as float16) unless it is a
@@ -47,8 +47,8 @@ into shared memory (0.6-3.8 ms), so a run should step faster, up to the model st
 audio-s/s at bf16 on an H100, 2 s segments; longer segments cost more per second of audio, as the
 training forward computes the whole T x T attention: `enhancer-train bench-fit --init models/tim.pt
 --precision bf16 --threads 2` on a 2-core AMD EPYC family 26 model 2 (Zen 5) gave 59 audio-s/s at 16
-x 4 s, 34 at 10 x 6.4 s and 28 at 8 x 8 s). So the 5.5 minutes that 14 pieces leave of the 15 train
-~4.5 minutes: about 0.6-0.8 M audio-s (170-220 h of mixtures); summary.json flags a median under 2,000
+x 4 s, 34 at 10 x 6.4 s and 28 at 8 x 8 s). So the 7 minutes that 11 pieces leave of the 15 train
+~6 minutes: about 0.8-1.1 M audio-s (230-300 h of mixtures); summary.json flags a median under 2,000
 on CUDA. Its `fit.result.data_wait_share` is the share of the steps' time spent waiting for batches:
 near 1, the mixing bounds the run; near 0, the model step does, and `run ... -- --compile` doubles
 it (13,000 audio-s/s compiled on an H100) for a compilation in the first step (`fit --compile --init

@@ -69,7 +69,7 @@ def test_load_audio_rejects_nan(tmp_path):
 
 
 def test_mp3_is_decoded_aligned_downmixed_and_resampled(tmp_path):
-    """Some real ambient recordings of the corpus are MP3 (training/corpus/extra.tsv): the bundled
+    """Some real ambient recordings of the corpus are MP3 (training/corpus/extra.tsv.gz): the bundled
     libsndfile decodes them without the encoder's delay, so the 16 kHz clip lines up with the source."""
     import soxr
 

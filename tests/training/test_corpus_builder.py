@@ -6,12 +6,14 @@ real recipes (metadata only: nothing is downloaded)."""
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -163,7 +165,7 @@ def test_only_builds_the_categories_asked_for(sources, tmp_path, capsys):
 def test_dry_run_and_errors(tmp_path, capsys):
     assert main(["corpus", "--out", str(tmp_path / "c"), "--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "debian.tsv" in text and "speech.tsv" in text and "extra.tsv" in text
+    assert "debian.tsv.gz" in text and "speech.tsv.gz" in text and "extra.tsv.gz" in text
     assert main(["corpus", "--out", str(tmp_path / "c"), "--only", "speech,babble"]) == 2
     assert "--only takes speech, noise and/or music" in capsys.readouterr().err
     bad = tmp_path / "bad.tsv"
@@ -173,6 +175,14 @@ def test_dry_run_and_errors(tmp_path, capsys):
     good = tmp_path / "good.tsv"
     good.write_text(HEADER + "\t".join(["train", "noise", "fake-sounds", "1.0-1", "usr/share/fake/rain.wav", "", "0" * 64,
                                         "0.5", "16000", "fake-sounds", "noise/fake/rain.wav", "8000", ""]) + "\n")
+    packed = tmp_path / "good.tsv.gz"  # the project's recipes are gzipped: the same rows either way
+    packed.write_bytes(gzip.compress(good.read_bytes()))
+    assert corpus.read_recipe(packed) == [replace(r, recipe="good.tsv.gz") for r in corpus.read_recipe(good)]
+    assert len(corpus.read_recipe(packed)) == 1
+    broken = tmp_path / "broken.tsv.gz"
+    broken.write_bytes(gzip.compress(good.read_bytes())[:-12])
+    assert main(["corpus", "--out", str(tmp_path / "c"), "--recipe", str(broken), "--dry-run"]) == 2
+    assert "broken.tsv.gz: not a readable gzip file" in capsys.readouterr().err
     inside = Path(corpus.__file__).resolve().parents[2] / "training" / "corpus-out-test"
     assert main(["corpus", "--out", str(inside), "--recipe", str(good)]) == 2
     assert "inside the checkout and not git-ignored" in capsys.readouterr().err
@@ -182,7 +192,7 @@ def test_dry_run_and_errors(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- the real recipes
 def recipe_rows(name):
-    with open(corpus.RECIPE_DIR / name, newline="", encoding="utf-8") as f:
+    with corpus.open_recipe(corpus.RECIPE_DIR / name) as f:
         return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
 
 
@@ -196,7 +206,7 @@ def test_the_project_recipes_are_complete_pinned_and_free_of_evaluation_material
         assert not any(w in text for w in ("test-clean", "test-other", "dev-clean", "dev-other", "test_set", "testset",
                                            "freedroid", "noisex", "asterisk-core-sounds-it")), text
         assert not re.search(r"(^|[/_ ])p(228|232|257)([/_ ]|$)", f"{r.group} {r.out_path} {r.deb_member}"), r.out_path
-    speech = recipe_rows("speech.tsv")
+    speech = recipe_rows("speech.tsv.gz")
     assert len(speech) == 281 and {r["package"] for r in speech} == {"github:resemble-ai/Resemblyzer",
                                                                       "github:auspicious3000/autovc"}
     assert all("train-clean-100" in r["deb_member"] for r in speech if "librispeech" in r["out_path"])

@@ -1,8 +1,9 @@
-"""The extra-corpus recipe (training/corpus/extra.tsv): well formed, reproducible (pinned versions and
+"""The extra-corpus recipe (training/corpus/extra.tsv.gz): well formed, reproducible (pinned versions and
 sha256), and free of evaluation material and of the sources held out for the unseen dev set."""
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import re
 from collections import defaultdict
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from training.data.holdout import UNSEEN_SOURCES
 
-RECIPE = Path(__file__).resolve().parents[2] / "training" / "corpus" / "extra.tsv"
+RECIPE = Path(__file__).resolve().parents[2] / "training" / "corpus" / "extra.tsv.gz"
 COLUMNS = ["split", "category", "package", "version", "deb_member", "zip_member", "sha256", "seconds", "sample_rate",
            "group", "out_path", "bandwidth_hz", "decoded_sha256"]
 FORBIDDEN_PACKAGES = ("freedroidrpg", "lugaru", "unknown-horizons", "lincity")
@@ -26,7 +27,7 @@ MAX_TRAIN_MINUTES_PER_PACKAGE = 90
 
 
 def rows():
-    with open(RECIPE, newline="", encoding="utf-8") as f:
+    with gzip.open(RECIPE, "rt", newline="", encoding="utf-8") as f:
         reader = csv.reader(f, delimiter="\t")
         assert next(reader) == COLUMNS
         return [dict(zip(COLUMNS, r)) for r in reader]

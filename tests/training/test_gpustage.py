@@ -126,6 +126,18 @@ def test_the_run_shrinks_to_fit_the_device_budget(tmp_path, capsys):
     assert "pack less" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not (gpustage.ROOT / ".git").exists(), reason="the tree that travels is what git lists")
+def test_every_device_call_has_room_for_a_quarter_of_the_pack():
+    """Each device call carries the whole checkout, so what the checkout weighs comes off every piece:
+    today's 251 MiB pack goes in 11 pieces (7 of 15 device minutes left to train) while a call keeps
+    24 MiB for its piece. Fails when the checkout grows (e.g. the corpus recipes committed unzipped:
+    8.1 MB instead of 1.7)."""
+    tree = gpustage.tree_mib()
+    assert tree > 30  # the models are tracked: the measure sees them
+    room = gpustage.CALL_MIB - gpustage.MARGIN_MIB - tree
+    assert room >= 24, f"the checkout is {tree:.1f} MiB: a device call keeps only {room:.1f} MiB for a piece"
+
+
 def test_the_default_recipe_trains_the_shipped_model_on_its_whole_attention_window(tmp_path, capsys):
     from enhancer import load_checkpoint
     from training.loop import context_note

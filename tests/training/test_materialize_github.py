@@ -3,6 +3,7 @@ $GITHUB_MIRRORS: the pinned commit's bytes land at their out_path with a manifes
 changes nothing, and a wrong sha256 stops the script with the member named."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import shutil
@@ -61,6 +62,16 @@ def test_github_rows_from_a_mirror(tmp_path):
     r = run(tsv, out, tmp_path / "mirrors")  # again: verified in place, nothing appended
     assert r.returncode == 0 and "already verified" in r.stdout, r.stdout + r.stderr
     assert (out / "manifests" / "speech_train.tsv").read_text().splitlines() == manifest
+
+    packed = tmp_path / "extra.tsv.gz"  # the project's recipe is gzipped: the same corpus from it
+    packed.write_bytes(gzip.compress(tsv.read_bytes()))
+    r = run(packed, tmp_path / "corpus-gz", tmp_path / "mirrors")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "corpus-gz" / "manifests" / "speech_train.tsv").read_text().splitlines() == manifest
+    assert hashlib.sha256((tmp_path / "corpus-gz" / "speech" / "voices" / "S1" / "a.wav").read_bytes()).hexdigest() == sha
+    packed.write_bytes(b"not gzip")
+    r = run(packed, tmp_path / "corpus-gz", tmp_path / "mirrors")
+    assert r.returncode != 0 and "extra.tsv.gz: not a readable gzip file" in r.stderr, r.stderr
 
     row[6] = "0" * 64  # a recipe whose checksum the repository does not match
     row[10] = "speech/voices/S1/b.wav"

