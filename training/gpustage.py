@@ -20,7 +20,8 @@ machine); the last also carries the plan and runs, with the system python,
     PYTHONPATH=. python3 -m training.gpustage run --plan gpu-carry/plan.json --minutes 8
 
 (`--minutes` shrinks to what `--budget` 15 device minutes leave after ~2 to start, ~0.5 per transfer
-call and 1 for the results and a margin: each piece costs about half a minute of training).
+call and 1 for the results and a margin: each piece costs about half a minute of training; these are
+estimates, so before the last call the device's status sets it: the minutes left less 1, at most 9).
 
 It checks every piece (a missing or damaged one stops it at once, naming the call to repeat), joins
 and checks the tar, unpacks it, installs the wheels into `.gpu/site`, checks the imports and the
@@ -265,6 +266,8 @@ def prepare(a, fit_flags: list[str] | None = None) -> int:
     print(f"device calls, back to back (the last with timeout_s {int(minutes * 60 + 60)}):")
     for k, c in enumerate(calls):
         print(f"{k + 1:2d}. carry {json.dumps(c['carry'])}\n    {c['command']}")
+    print(f"the {overhead:g} minutes beside the run are estimates: before the last call, ask the device's status and "
+          f"give the run the minutes left less {END_MIN:g} (at most 9: a call runs 10), timeout_s that x 60 + 60")
     return 0
 
 

@@ -121,7 +121,9 @@ def test_the_run_shrinks_to_fit_the_device_budget(tmp_path, capsys):
     assert gpustage.main([*args, "--out", str(tmp_path / "a" / "gpu-carry")]) == 0  # 11 pieces: 7 minutes left
     plan = json.loads((tmp_path / "a" / "gpu-carry" / "plan.json").read_text())
     assert len(plan["pieces"]) == 11 and plan["minutes"] == 7 and plan["init"] is None
-    assert plan["calls"][-1]["command"].endswith("--minutes 7") and "11. carry" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert plan["calls"][-1]["command"].endswith("--minutes 7") and "11. carry" in printed
+    assert "the 8 minutes beside the run are estimates" in printed and "the minutes left less 1" in printed
     assert gpustage.main([*args, "--out", str(tmp_path / "b" / "gpu-carry"), "--budget", "10"]) == 2
     assert "pack less" in capsys.readouterr().err
 
