@@ -271,6 +271,19 @@ def prepare(a, fit_flags: list[str] | None = None) -> int:
     return 0
 
 
+def extract_pack(t: tarfile.TarFile, dest: Path) -> None:
+    """Unpack the joined tar: plain files and folders inside `dest`, nothing else (links, devices,
+    absolute or `..` paths stop it before anything is written). Python 3.10.12 / 3.11.4 and later
+    check the same again with tarfile's "data" filter; Debian 12's 3.11.2 has no filters."""
+    for m in t.getmembers():
+        if not (m.isfile() or m.isdir()) or m.name.startswith("/") or ".." in Path(m.name).parts:
+            raise Failure(f"{m.name}: not a plain file or folder inside the pack")
+    if hasattr(tarfile, "data_filter"):
+        t.extractall(dest, filter="data")
+    else:
+        t.extractall(dest)
+
+
 def _write(f, text: str, stamp: bool = False) -> None:
     f.write(f"[gpustage {time.strftime('%H:%M:%S')}] {text}\n" if stamp else text)
     f.flush()  # subprocesses append to the same file
@@ -301,7 +314,7 @@ def _join(plan: dict, land: Path, log) -> Path:
     shutil.rmtree(land / "unpack", ignore_errors=True)
     shutil.rmtree(shards, ignore_errors=True)
     with tarfile.open(tar) as t:
-        t.extractall(land / "unpack", filter="data")
+        extract_pack(t, land / "unpack")
     (land / "unpack" / "shards").rename(shards)
     (shards / ".tar-sha256").write_text(plan["tar"]["sha256"])
     tar.unlink()

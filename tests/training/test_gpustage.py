@@ -3,9 +3,11 @@ printed calls say into a stand-in for the device's tree, run two steps there; an
 damaged or missing piece stops the run at once, with the reason in summary.json and the log."""
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,28 @@ def test_a_damaged_piece_stops_the_run_at_once(carried, tmp_path, monkeypatch):
     assert "piece-01/part-01: sha256 differs" in summary["error"] and "repeat call 2" in summary["error"]
     assert "FAILED at pieces" in (out / "gpustage.log").read_text()
     assert not (root / ".gpu" / "shards").exists()
+
+
+@pytest.mark.parametrize("member", ["../outside.flac", "/abs.flac", "shards/link.flac"])
+def test_the_pack_unpacks_only_plain_files_inside_its_folder(tmp_path, member):
+    """On every Python the stage may meet (Debian 12's 3.11.2 has no tarfile filters; the device's 3.12
+    has them): a member that would land outside, or a link, stops the unpack before anything is written."""
+    body = b"fLaC" + bytes(60)
+    good, bad = tarfile.TarInfo("shards/a.flac"), tarfile.TarInfo(member)
+    good.size = bad.size = len(body)
+    if member.endswith("link.flac"):
+        bad.type, bad.linkname, bad.size = tarfile.SYMTYPE, "/etc/passwd", 0
+    with tarfile.open(tmp_path / "ok.tar", "w") as t:
+        t.addfile(good, io.BytesIO(body))
+    with tarfile.open(tmp_path / "ok.tar") as t:
+        gpustage.extract_pack(t, tmp_path / "ok")
+    assert (tmp_path / "ok" / "shards" / "a.flac").read_bytes() == body
+    with tarfile.open(tmp_path / "bad.tar", "w") as t:
+        t.addfile(good, io.BytesIO(body))
+        t.addfile(bad, io.BytesIO(body))
+    with tarfile.open(tmp_path / "bad.tar") as t, pytest.raises(gpustage.Failure, match="not a plain file or folder"):
+        gpustage.extract_pack(t, tmp_path / "bad" / "in")
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "outside.flac").exists()
 
 
 def test_a_missing_piece_names_the_call_to_repeat(carried, tmp_path, monkeypatch):
