@@ -42,7 +42,9 @@ Flags whose segments are shorter than that get a warning at `prepare`, before an
 Checked on the CPU with the device's software (Python 3.12, torch 2.11.0+cu130, numpy 2.5.2, and
 none of the wheels piece-00 carries): the calls of today's 11-piece plan made locally in order, then
 `run --minutes 4` joined and unpacked the pack (1.2 s), passed the preflight and fit 6 steps of 84 x
-6.1 s on the 2-core AMD EPYC family 26 model 2 (Zen 5), averaged them and left every output, status ok.
+6.1 s on the 2-core AMD EPYC family 26 model 2 (Zen 5), averaged them and left every output, status ok;
+with `-- --data-workers 2 --batch-size 16` (the forked feeder, as on the device) 58 steps at 32
+audio-s/s, `data_wait_share` 0.00004.
 
 Expected (docs/training-log.md; batch 128 of 4 s with a 128-frame window, bf16, 14 mixing
 processes): one arm alone 2,990 audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an
