@@ -3,12 +3,12 @@ sha256), and free of evaluation material and of the sources held out for the uns
 from __future__ import annotations
 
 import csv
-import gzip
 import hashlib
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from training.data.corpus import open_recipe
 from training.data.holdout import UNSEEN_SOURCES
 
 RECIPE = Path(__file__).resolve().parents[2] / "training" / "corpus" / "extra.tsv.gz"
@@ -27,7 +27,7 @@ MAX_TRAIN_MINUTES_PER_PACKAGE = 90
 
 
 def rows():
-    with gzip.open(RECIPE, "rt", newline="", encoding="utf-8") as f:
+    with open_recipe(RECIPE) as f:
         reader = csv.reader(f, delimiter="\t")
         assert next(reader) == COLUMNS
         return [dict(zip(COLUMNS, r)) for r in reader]

@@ -42,15 +42,14 @@ warn() { printf '[materialize-extra] WARNING: %s\n' "$*" >&2; }
 die()  { printf '[materialize-extra] ERROR: %s\n' "$*" >&2; exit 1; }
 
 [ -f "$MAN" ] || die "manifest not found: $MAN"
+for t in apt-get dpkg-deb tar unzip sha256sum awk sort gzip; do command -v "$t" >/dev/null 2>&1 || die "missing tool: $t"; done
 # the project's recipe is gzipped; a plain TSV (EXTRA_TSV) is read as it is
 TSV="$MAN"
 if [[ "$MAN" == *.gz ]]; then
-  command -v gzip >/dev/null 2>&1 || die "missing tool: gzip"
   TSV="$(mktemp)"
   trap 'rm -f "$TSV"' EXIT
   gzip -dc "$MAN" > "$TSV" || die "$MAN: not a readable gzip file"
 fi
-for t in apt-get dpkg-deb tar unzip sha256sum awk sort; do command -v "$t" >/dev/null 2>&1 || die "missing tool: $t"; done
 awk -F'\t' 'NR>1 && ($6!="" || $13!="") {bad=1} NR>1 && NF!=13 && NF!=12 {bad=1} END {exit bad}' "$TSV" \
   || die "$MAN: rows with zip members, decoded_sha256 or a wrong number of columns are not supported"
 # no out_path twice
