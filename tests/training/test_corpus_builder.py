@@ -183,6 +183,11 @@ def test_dry_run_and_errors(tmp_path, capsys):
     broken.write_bytes(gzip.compress(good.read_bytes())[:-12])
     assert main(["corpus", "--out", str(tmp_path / "c"), "--recipe", str(broken), "--dry-run"]) == 2
     assert "broken.tsv.gz: not a readable gzip file" in capsys.readouterr().err
+    damaged = bytearray(gzip.compress(good.read_bytes()))
+    damaged[12:-8] = bytes(b ^ 0x55 for b in damaged[12:-8])  # the deflate body, header and trailer kept
+    broken.write_bytes(bytes(damaged))
+    assert main(["corpus", "--out", str(tmp_path / "c"), "--recipe", str(broken), "--dry-run"]) == 2
+    assert "broken.tsv.gz: not a readable gzip file" in capsys.readouterr().err
     inside = Path(corpus.__file__).resolve().parents[2] / "training" / "corpus-out-test"
     assert main(["corpus", "--out", str(inside), "--recipe", str(good)]) == 2
     assert "inside the checkout and not git-ignored" in capsys.readouterr().err

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import zipfile
+import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ def read_recipe(path) -> list[Row]:
     try:
         with open_recipe(path) as f:
             return _parse_recipe(path, csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    except (gzip.BadGzipFile, EOFError) as e:
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # a bad header, a cut end, a damaged body
         raise CorpusError(f"{path}: not a readable gzip file ({e})") from None
 
 
