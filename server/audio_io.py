@@ -5,13 +5,12 @@ Every failure becomes a `ServiceError` whose message says what is wrong with the
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import soundfile as sf
 
 from enhancer import audio_io as core
-from enhancer.audio_io import MP3_SLACK, OUTPUT_FORMATS
+from enhancer.audio_io import MP3_SLACK, OUTPUT_FORMATS, AudioInfo, libsndfile_reason
 from enhancer.errors import AudioError, OutputFormatError
 from enhancer.signal import check_rate
 
@@ -31,19 +30,6 @@ def check_samples(x: np.ndarray, what: str = "the audio") -> None:
 
 
 # ---------------------------------------------------------------------------------- files in
-@dataclass
-class AudioInfo:
-    sample_rate: int
-    channels: int
-    frames: int  # from the header (an estimate for some MP3s)
-    format: str  # libsndfile major format, e.g. WAV
-    subtype: str  # e.g. PCM_16
-
-    @property
-    def duration_s(self) -> float:
-        return self.frames / self.sample_rate
-
-
 class AudioReader:
     """Reads an uploaded file block by block, checking that it is complete."""
 
@@ -56,7 +42,7 @@ class AudioReader:
         try:
             self.sf = sf.SoundFile(fileobj)
         except sf.LibsndfileError as e:
-            reason = _libsndfile_reason(e)
+            reason = libsndfile_reason(e)
             if "not recognised" in reason.lower():
                 raise ServiceError(ErrorKind.UNSUPPORTED_MEDIA, "the body is not an audio file libsndfile can read "
                                    "(WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF ...)") from None
@@ -64,7 +50,7 @@ class AudioReader:
         except (RuntimeError, TypeError, ValueError) as e:
             raise ServiceError(ErrorKind.INVALID_AUDIO, f"the audio file cannot be opened ({e})") from None
         f = self.sf
-        self.info = AudioInfo(f.samplerate, f.channels, f.frames, f.format, f.subtype)
+        self.info = AudioInfo(f.samplerate, f.channels, f.frames, f.format, f.subtype, f.endian)
         self.read_frames = 0
         try:
             check_rate(f.samplerate)
@@ -108,7 +94,7 @@ class AudioReader:
             x = self.sf.read(frames, dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError) as e:
             raise ServiceError(ErrorKind.INVALID_AUDIO, f"the audio file is corrupt or truncated after "
-                               f"{self.read_frames} frames ({_libsndfile_reason(e)})") from None
+                               f"{self.read_frames} frames ({libsndfile_reason(e)})") from None
         if x.shape[0] == 0:
             self._check_complete()
             return None
@@ -131,12 +117,6 @@ class AudioReader:
             self.sf.close()
         except Exception:  # closing a broken decoder must not mask the real error
             pass
-
-
-def _libsndfile_reason(e: Exception) -> str:
-    msg = str(e)
-    # "Error opening <_io.BufferedRandom ...>: Format not recognised." -> the part after the object repr
-    return msg.split(">: ", 1)[-1].strip().rstrip(".") or type(e).__name__
 
 
 # ---------------------------------------------------------------------------------- files out

@@ -142,6 +142,15 @@ def test_truncated_file(http, container):
     assert_error(r, 422, "invalid_audio", "truncated")
 
 
+def test_malformed_header_names_the_reason(http):
+    """libsndfile's reason reaches the client without the server's file object in it."""
+    data = wav_bytes()[:30]  # RIFF/WAVE and part of the fmt chunk, no data chunk
+    r = http.post("/v1/enhance", content=data, headers={"Content-Type": "audio/wav"})
+    assert_error(r, 422, "invalid_audio", "malformed or truncated (Error in WAV file")
+    message = r.json()["error"]["message"]
+    assert "<_io" not in message and "Error opening" not in message, message
+
+
 def test_not_audio_content_type(http):
     r = http.post("/v1/enhance", content=b'{"audio": 1}', headers={"Content-Type": "application/json"})
     assert_error(r, 415, "unsupported_media", "content-type")
