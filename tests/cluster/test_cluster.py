@@ -203,6 +203,16 @@ class Client:
         assert self.messages[-1] == {"type": "end", "samples": self.messages[-1]["samples"]}  # finished: 1000
 
 
+async def start_streams(lb: Balancer, seconds: float, count: int, seed: int) -> tuple[list[Client], list[asyncio.Task]]:
+    """`count` streams of `seconds` each, started 0.3 s apart: (clients, their running tasks)."""
+    clients, tasks = [], []
+    for i in range(count):
+        clients.append(Client(lb, seconds, seed=seed + i))
+        tasks.append(asyncio.create_task(clients[-1].run()))
+        await asyncio.sleep(0.3)
+    return clients, tasks
+
+
 async def refused_stream(url: str) -> tuple[dict, int]:
     err = {}
     async with connect(url) as ws:
@@ -239,11 +249,7 @@ def test_three_replicas_behind_haproxy(cluster):
 
     # 1. the sum of the capacities admitted, on time; one more refused with 1013
     async def admission():
-        clients = [Client(lb, 6.0, seed=100 + i) for i in range(3 * CAPACITY)]
-        tasks = []
-        for c in clients:
-            tasks.append(asyncio.create_task(c.run()))
-            await asyncio.sleep(0.3)
+        clients, tasks = await start_streams(lb, 6.0, 3 * CAPACITY, seed=100)
         deadline = time.time() + 20
         while not all(c.ready_now for c in clients):
             assert time.time() < deadline, [c.messages[:2] for c in clients]
@@ -272,11 +278,7 @@ def test_three_replicas_behind_haproxy(cluster):
 
     # 2. SIGKILL one replica: only its streams reconnect, through the balancer, and go on
     async def kill():
-        clients = [Client(lb, 8.0, seed=200 + i) for i in range(4)]
-        tasks = []
-        for c in clients:
-            tasks.append(asyncio.create_task(c.run()))
-            await asyncio.sleep(0.3)
+        clients, tasks = await start_streams(lb, 8.0, 4, seed=200)
         await asyncio.sleep(1.5)
         held = [await asyncio.to_thread(r.active_streams) for r in replicas]
         victim = replicas[int(np.argmax(held))]
@@ -311,11 +313,7 @@ def test_three_replicas_behind_haproxy(cluster):
             time.sleep(0.3)
 
     async def rolling():
-        clients = [Client(lb, 50.0, seed=400 + i) for i in range(4)]
-        tasks = []
-        for c in clients:
-            tasks.append(asyncio.create_task(c.run()))
-            await asyncio.sleep(0.3)
+        clients, tasks = await start_streams(lb, 50.0, 4, seed=400)
         uploader = threading.Thread(target=upload_loop, daemon=True)
         uploader.start()
         drains = []
