@@ -33,7 +33,7 @@ in $OUT, on failure too: gpustage.pt, metrics.csv, train.json, nvidia-smi.txt (t
 row every 15 s), gpustage.log and summary.json (status, error, timings, steps, throughput). A second
 `run` resumes the run (fit's default) and its schedule.
 
-The fit flags after `--` replace the stage's recipe (`FIT`: phase 20's, one arm). Without them
+The fit flags after `--` replace the stage's recipe (`FIT`: the shipped model's GPU-stage recipe, docs/training-log.md). Without them
 the segments follow the init's attention window: a third of each segment's frames see the whole
 window, as in the CPU stage (`training.loop.full_window_seconds`; 6.1 s for the shipped model's 256
 frames, 4 s for 128 or less), and the batch keeps 512 s of audio per step (84 x 6.1 s; 128 x 4 s).
@@ -101,9 +101,9 @@ CALL_MIB, MARGIN_MIB = 64.0, 4.0
 WHEELS = ("soundfile==0.14.0", "cffi==2.1.1", "soxr==1.1.0")  # not in the device image (cp312)
 FIT = ("--augment --snr -5 25 --loss-floor 1e-2 --compressed-weight 20 --sisdr-weight 0.01 --overestimate-weight 2 "
        "--pesq-weight 2 --lr 5e-5 --schedule cosine --warmup-steps 50 --final-lr 2e-6 "
-       "--seed 42 --valid-every 0")  # phase 20's recipe, one arm; the batch and segments from `default_fit`
-BATCH_AUDIO_S, MIN_SEGMENT_S = 512.0, 4.0  # phase 20's 128 x 4 s of audio per step
-PACK = ("--codec-for", "speech=flac", "--quality", "0.8", "--shard-mb", "14")  # phases 15-20
+       "--seed 42 --valid-every 0")  # the shipped model's GPU-stage recipe; the batch and segments from `default_fit`
+BATCH_AUDIO_S, MIN_SEGMENT_S = 512.0, 4.0  # that recipe's 128 x 4 s of audio per step
+PACK = ("--codec-for", "speech=flac", "--quality", "0.8", "--shard-mb", "14")  # speech lossless, noise and music as Opus at 56 kbit/s
 LAND = ".gpu"  # on the device: ignored, so kept on the warm machine between calls
 # a cosine without --total-steps decays over this share of fit's minutes (--total-minutes): the
 # rest goes to loading the shards, forking the workers and the checkpoints
