@@ -12,7 +12,7 @@ TEST_STAMP  = $(VENV)/.installed-test-$(SUM)
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test test-cluster bench bench-peers install install-serve clean browser haproxy
+.PHONY: serve test test-cluster bench bench-peers install install-serve clean browser haproxy gpu-check
 
 $(SERVE_STAMP): pyproject.toml
 	@echo "installing tim-enhancer for serving into $(VENV) (editable, extras cpu,serve: no torch)"
@@ -93,6 +93,32 @@ $(PEERS_STAMP): pyproject.toml
 
 bench-peers: $(PEERS_STAMP)
 	$(PEERS_BIN)/python -m training.peers --noisy $(BENCH_NOISY) --clean $(BENCH_CLEAN) --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# `make gpu-check`: the model and the service under CUDA, measured (server/tools/gpu_check.py), with
+# the machine's own python3 and CUDA 13 libraries (the nvidia-* Python packages: onnxruntime's
+# preload_dlls finds them). onnxruntime-gpu and the serving dependencies go to $(GPU_SITE): from
+# $(GPU_CARRY) when it holds them (a machine without a package index: onnxruntime-gpu as
+# onnxruntime-gpu.tar.xz.part* and wheels/*.whl, made by `python -m server.tools.gpu_carry`), else
+# from the index. Results: $(GPU_OUT)/gpu-check.json.
+GPU_CARRY ?= gpu-serve
+GPU_SITE  ?= /tmp/tim-gpu-site
+GPU_OUT   ?= runs/gpu-check
+GPU_ARGS  ?=
+
+gpu-check:
+	@set -e; rm -rf $(GPU_SITE); mkdir -p $(GPU_SITE); \
+	if ls $(GPU_CARRY)/onnxruntime-gpu.tar.xz.part* >/dev/null 2>&1; then \
+		echo "gpu-check: onnxruntime-gpu from $(GPU_CARRY)"; \
+		cat $(GPU_CARRY)/onnxruntime-gpu.tar.xz.part* | $(PYTHON) -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" $(GPU_SITE); \
+	else \
+		$(PYTHON) -m pip install -q --target $(GPU_SITE) "onnxruntime-gpu[cuda,cudnn]==1.31.1" nvidia-cublas; \
+	fi; \
+	if ls $(GPU_CARRY)/wheels/*.whl >/dev/null 2>&1; then \
+		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) $(GPU_CARRY)/wheels/*.whl; \
+	else \
+		$(PYTHON) -m pip install -q --target $(GPU_SITE) ".[serve]" httpx==0.28.1; \
+	fi; \
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(PYTHON) -m server.tools.gpu_check --out $(GPU_OUT) $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache

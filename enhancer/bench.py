@@ -22,9 +22,12 @@ import time
 import numpy as np
 
 from .config import SAMPLE_RATE
-from .runtime import OFFLINE_FRAMES, Enhancer, LanePool
+from .device_pool import engine_device, make_pool
+from .runtime import OFFLINE_FRAMES, Enhancer
 
 BATCHES = (1, 4, 16, 32, 64)
+GPU_BATCHES = (1, 16, 64, 256, 1024)  # under CUDA (`--device cuda`): one GPU holds hundreds of streams
+SEARCH_LIMIT = {"cpu": 1024, "cuda": 8192}  # the largest batch the real-time search tries
 PACED_BATCHES = (1, 16)
 OFFLINE_SWEEP = (1, 16, 32, 64, 128, 256)  # frames per call of the offline runs
 # Share of the measured real-time capacity to plan for: an upper bound, to verify with a soak
@@ -41,8 +44,10 @@ def usable_cores() -> int:
 
 def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: int = 0, pace_s: float = 0.0) -> np.ndarray:
     """Milliseconds per `LanePool.step` of `batch` streams, after `warmup` steps. With `pace_s`, one
-    step starts every `pace_s` seconds, as for live streams (caches cool down between steps)."""
-    pool = LanePool(enh.engine, batch)
+    step starts every `pace_s` seconds, as for live streams (caches cool down between steps). The
+    pool is the one the service uses for this engine (`make_pool`: under CUDA the caches stay on the
+    GPU), so a step's time includes what crosses the bus."""
+    pool = make_pool(enh.engine, batch)
     lanes = pool.alloc(batch)
     rng = np.random.default_rng(seed)
     hop = enh.config.stft.hop
@@ -103,7 +108,12 @@ def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0,
     return run_many([enh], steps=steps, batches=batches, seconds=seconds, progress=progress)[0]
 
 
-def run_many(enhs: list[Enhancer], steps: int = 300, batches=BATCHES, seconds: float = 20.0,
+def default_batches(enh: Enhancer) -> tuple[int, ...]:
+    """The batch sizes timed by default: `GPU_BATCHES` under CUDA, else `BATCHES`."""
+    return GPU_BATCHES if engine_device(enh.engine) == "cuda" else BATCHES
+
+
+def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: float = 20.0,
              progress: bool = False) -> list[dict]:
     """The measurements of several models on this machine, interleaved: every stage (a batch size,
     the paced steps, each offline size) times each model in turn before the next stage, so that a
@@ -114,6 +124,7 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=BATCHES, seconds: f
 
     cfg = enhs[0].config
     n = len(enhs)
+    batches = tuple(batches or default_batches(enhs[0]))
     bar = tqdm(total=n * (len(batches) + len(PACED_BATCHES) + 2), desc="bench", unit="stage", disable=not progress,
                file=sys.stderr)
     hop_ms = 1000.0 * cfg.stft.hop / cfg.stft.sample_rate
@@ -140,7 +151,8 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=BATCHES, seconds: f
         bar.set_postfix_str("searching the largest real-time batch")
         ok = [s["batch"] for s in res["step"] if s["realtime"]]
         best_b, timed = largest_realtime_batch(
-            lambda b, e=enh: np.percentile(time_steps(e, b, search_steps), 99), hop_ms, start=max(ok) if ok else 1)
+            lambda b, e=enh: np.percentile(time_steps(e, b, search_steps), 99), hop_ms, start=max(ok) if ok else 1,
+            limit=SEARCH_LIMIT[res["device"]])
         res["streams_per_core"] = best_b
         res["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
         bar.update()
@@ -151,9 +163,10 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=BATCHES, seconds: f
             res["live_cost_ms_per_hop"] = float(np.percentile(ms, 50) / res["streams_per_core"])  # one stream's share
         best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
         res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
+        gpu = res["device"] == "cuda"
         res["cores"] = cores
-        res["suggested_workers"] = cores
-        res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * cores)
+        res["suggested_workers"] = 1 if gpu else cores  # one worker drives the GPU
+        res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * (1 if gpu else cores))
     x = (np.random.default_rng(1).standard_normal(int(seconds * SAMPLE_RATE)) * 0.05).astype(np.float32)
     bar.set_postfix_str(f"offline enhance of {seconds:g} s, then T = {', '.join(map(str, OFFLINE_SWEEP))}")
     for enh in enhs:
@@ -186,7 +199,7 @@ def _header(enh: Enhancer) -> dict:
     cfg = enh.config
     return {
         "model": str(enh.engine.path), "preset": cfg.name, "parameters": enh.engine.parameters,
-        "provider": enh.provider, "weights": enh.engine.weights, "rings": enh.engine.ring_format,
+        "provider": enh.provider, "device": engine_device(enh.engine), "weights": enh.engine.weights, "rings": enh.engine.ring_format,
         "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
         "stream_delay_ms": 1000.0 * cfg.delay_samples / cfg.stft.sample_rate, "window_frames": cfg.attention_window,
         "step": [], "paced": [],
@@ -194,6 +207,16 @@ def _header(enh: Enhancer) -> dict:
 
 
 def format_table(res: dict) -> str:
+    gpu = res.get("device") == "cuda"
+    unit = "GPU" if gpu else "core"
+    if gpu:
+        capacity = (f"capacity         one GPU: try `enhancer serve --device cuda --workers 1 --max-streams "
+                    f"{res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']}), then confirm with the "
+                    "load test (server/README.md)")
+    else:
+        capacity = (f"capacity         {res['cores']} core(s) here: try `enhancer serve --workers {res['suggested_workers']} "
+                    f"--max-streams {res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']} x "
+                    f"{res['cores']}), then confirm with a soak (server/README.md)")
     lines = [
         f"model            {res['model']} ({res['preset']}, {res['parameters']:,} parameters, {res['weights']} weights, "
         f"{res['rings']} key/value rings, {res['provider']})",
@@ -209,15 +232,13 @@ def format_table(res: dict) -> str:
                                           for s in res["paced"]) + " (one step per hop, as live streams)")
     lines += [
         "",
-        f"streams per core {res['streams_per_core']} (the largest batch whose p99 fits the 16 ms hop, by search: "
+        f"streams per {unit:<4} {res['streams_per_core']} (the largest batch whose p99 fits the 16 ms hop, by search: "
         + ", ".join(f"{s['batch']}: {s['p99_ms']:.1f}" for s in res["search"]) + " ms p99); "
         f"{res['streams_per_core_throughput']:.1f} by best per-stream throughput",
         f"cost per stream  {res.get('live_cost_ms_per_hop', float('nan')):.3f} ms live (at that batch) vs "
         f"{res['offline_cost_ms_per_hop']:.3f} ms offline per 16 ms of audio "
         f"({res.get('live_over_offline', float('nan')):.1f}x)",
-        f"capacity         {res['cores']} core(s) here: try `enhancer serve --workers {res['suggested_workers']} "
-        f"--max-streams {res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']} x {res['cores']}), "
-        "then confirm with a soak (server/README.md)",
+        capacity,
         f"offline enhance  real-time factor {res['offline_rtf']:.3f} wall, {res['offline_rtf_cpu']:.3f} CPU "
         f"(1 thread, {res['offline_frames']} frames per call)",
         "offline by T     " + "; ".join(f"T={r['frames']}: {r['rtf']:.3f} / {r['rtf_cpu']:.3f}" for r in res["offline"])
@@ -241,14 +262,15 @@ def format_comparison(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(enhs: Enhancer | list[Enhancer], as_json: bool = False, steps: int = 300, progress: bool = True) -> int:
+def main(enhs: Enhancer | list[Enhancer], as_json: bool = False, steps: int = 300, progress: bool = True,
+         batches=None) -> int:
     """`enhancer bench`: one model, or several measured in the same run, interleaved (`run_many`)."""
     enhs = enhs if isinstance(enhs, list) else [enhs]
     if progress:
         names = ", ".join(str(e.engine.path) for e in enhs)
-        print(f"timing the step graph of {names} on this machine ({enhs[0].provider}, one thread)",
+        print(f"timing the step graph of {names} on this machine ({enhs[0].provider}, one intra-op thread)",
               file=sys.stderr, flush=True)
-    results = run_many(enhs, steps=steps, progress=progress)
+    results = run_many(enhs, steps=steps, batches=batches, progress=progress)
     if as_json:
         sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     else:

@@ -195,9 +195,17 @@ def cmd_info(a) -> int:
         cfg = ModelConfig.preset(a.preset)
         params, extra = count_parameters(build_model(cfg)), {}
     else:
-        enh = _enhancer(a.model)
-        cfg, params, extra = enh.config, enh.engine.parameters, {"provider": enh.provider, "file": str(enh.engine.path),
-                                                       "weights": enh.engine.weights, "rings": enh.engine.ring_format}
+        import onnxruntime as ort
+
+        from .device_pool import DeviceLanePool, make_pool
+        from .devices import available_providers
+
+        enh = _enhancer(a.model, a.device)
+        cfg, params, extra = enh.config, enh.engine.parameters, {
+            "provider": enh.provider, "available_providers": available_providers(), "onnxruntime": ort.__version__,
+            "file": str(enh.engine.path), "weights": enh.engine.weights, "rings": enh.engine.ring_format,
+            # where a stream's caches live: "device" (GPU memory, `enhancer.device_pool`) or "host" (numpy)
+            "stream_state": "device" if isinstance(make_pool(enh.engine, 1), DeviceLanePool) else "host"}
         exported_with = enh.engine.metadata.get("version")
     info = {
         "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
@@ -228,7 +236,8 @@ def info_summary(info: dict, cfg, exported_with: str | None = None) -> str:
     if info.get("provider"):
         from .devices import available_providers
 
-        rows += [("provider", f"{info['provider']} (available: {', '.join(available_providers())})"),
+        rows += [("provider", f"{info['provider']} (available: {', '.join(available_providers())}; onnxruntime "
+                              f"{info.get('onnxruntime', '?')}); stream state on the {info.get('stream_state', 'host')}"),
                  ("threads", f"{THREADS} onnxruntime intra-op thread(s) per session")]
     versions = info.get("versions") or {}
     if exported_with:
@@ -252,7 +261,17 @@ def cmd_bench(a) -> int:
         print("error: --preset and --model name different models: bench one or the other", file=sys.stderr)
         return 2
     enhs = [_enhancer(m, device, a.preset, a.int8) for m in (a.model or [None])]
-    return bench_main(enhs, as_json=a.json, steps=a.steps)
+    return bench_main(enhs, as_json=a.json, steps=a.steps, batches=a.batches)
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes must be whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return values
 
 
 def version_text() -> str:
@@ -338,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="model, sample rate, latency, frame/hop, provider and version of a model")
     i.add_argument("model", nargs="?", default=None, help=".onnx or checkpoint (default: the shipped model)")
     i.add_argument("--preset", default=None, help="describe a preset instead of a file (needs torch)")
+    i.add_argument("--device", choices=DEVICES, default="auto",
+                   help=f"load the model there and report the provider in use ({devices})")
     i.add_argument("--json", action="store_true", help="print every field as JSON (for scripts) instead of a summary")
     i.set_defaults(fn=cmd_info)
 
@@ -348,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
     b.add_argument("--device", choices=DEVICES, default="auto", help="where to run the model (auto: the CPU here)")
     b.add_argument("--steps", type=int, default=300, help="timed steps per batch size")
+    b.add_argument("--batches", type=_batches, default=None, metavar="B,B,...",
+                   help="batch sizes (streams per step) to time (default: 1,4,16,32,64 on the CPU, "
+                        "1,16,64,256,1024 under CUDA)")
     b.add_argument("--int8", action="store_true", help="with --preset: export it with 8-bit weights (export --int8)")
     b.add_argument("--json", action="store_true", help="print the results as JSON (progress stays on stderr)")
     b.set_defaults(fn=cmd_bench)

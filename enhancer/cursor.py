@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import SAMPLE_RATE, ModelConfig
+from .device_pool import make_pool
 from .engine import Engine, LanePool, min_gain_for
 from .errors import AudioError
 from .fullband import DEFAULT_BAND, HighBand, check_band, uses_high_band
@@ -80,7 +81,7 @@ class StreamCursor:
         self.band = check_band(band)  # "full": keep the band above 8 kHz (above 16 kHz); "speech": up to 8 kHz
         self.full_band = uses_high_band(self.band, self.sample_rate, self.config.stft.sample_rate)
         self.gains = np.full(self.channels, self.min_gain, np.float32)  # per lane, for `LanePool.step` / `run`
-        self.pool = pool or LanePool(engine, self.channels)
+        self.pool = pool or make_pool(engine, self.channels)
         self.lanes = self.pool.alloc(self.channels)
         self.log = StepLog(self.config, metadata)
         self.closed = False

@@ -26,6 +26,64 @@ from .step_io import (
     write_rings,
 )
 
+# Under CUDA: float32 matrix products in float32 (not TF32), so that the GPU's output matches the CPU's
+# within the export's tolerance; the live step is bound by kernel launches, not arithmetic.
+CUDA_OPTIONS = {"use_tf32": "0"}
+
+
+_preloaded: list[bool] = []
+# The CUDA 13 libraries onnxruntime-gpu's CUDA provider links (in load order: a library after those it
+# needs), and optional ones it opens when a graph needs them.
+CUDA_LIBRARIES = ("libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13", "libcurand.so.10")
+CUDA_OPTIONAL = ("libcufft.so.12", "libnvrtc.so.13", "libcudnn.so.9")
+
+
+def _nvidia_library(name: str) -> str | None:
+    """Where an nvidia-* Python package holds the library `name` (nvidia/cu13/lib/ from CUDA 13 on,
+    nvidia/<component>/lib/ before), on any entry of sys.path; None if none does."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(glob.glob(f"{root}/*/lib/{name}"))
+        if found:
+            return found[0]
+    return None
+
+
+def preload_cuda_libraries() -> bool:
+    """Load the CUDA libraries that onnxruntime-gpu's CUDA provider links from the nvidia-* Python
+    packages (the [gpu] extra's, or a PyTorch install's), so that it runs without a system CUDA and
+    wherever onnxruntime itself is installed; then onnxruntime's own `preload_dlls`. Once per
+    process. True when every required library was found in those packages (else the system's
+    libraries may still serve: the session then says whether CUDA started)."""
+    if not _preloaded:
+        import contextlib
+        import ctypes
+        import io
+
+        found = 0
+        for name in CUDA_LIBRARIES + CUDA_OPTIONAL:
+            path = _nvidia_library(name)
+            if path is None:
+                continue
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                found += name in CUDA_LIBRARIES
+            except OSError:
+                pass
+        import onnxruntime as ort
+
+        if hasattr(ort, "preload_dlls"):  # onnxruntime >= 1.21; it prints what it cannot load: keep stdout clean
+            with contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    ort.preload_dlls()
+                except Exception:  # nothing more to load that way
+                    pass
+        _preloaded.append(found == len(CUDA_LIBRARIES))
+    return _preloaded[0]
+
 
 def min_gain_for(atten_lim_db: float | None) -> float:
     """Gain floor for an attenuation limit in dB (None or inf = no limit)."""
@@ -67,8 +125,11 @@ class Engine:
         if providers is None:  # "auto"
             avail = ort.get_available_providers()
             providers = [p for p in PROVIDERS["cuda"] if p in avail]
+        if "CUDAExecutionProvider" in providers:
+            preload_cuda_libraries()
+        providers = [(p, CUDA_OPTIONS) if p == "CUDAExecutionProvider" else p for p in providers]
         try:
-            self.session = ort.InferenceSession(str(path), so, providers=list(providers))
+            self.session = ort.InferenceSession(str(path), so, providers=providers)
         except Exception as e:  # onnxruntime raises several unrelated types
             raise CheckpointError(f"{path}: cannot load model ({type(e).__name__}: {e})") from None
         meta = self.session.get_modelmeta().custom_metadata_map

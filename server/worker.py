@@ -19,8 +19,9 @@ from collections.abc import Callable
 import numpy as np
 
 from enhancer.cursor import StreamCursor
+from enhancer.device_pool import make_pool
 from enhancer.errors import AudioError
-from enhancer.runtime import Enhancer, LanePool
+from enhancer.runtime import Enhancer
 
 from .admission import LaneLedger
 from .batcher import Batcher
@@ -48,7 +49,7 @@ class Worker(threading.Thread):
         super().__init__(name=f"tim-worker-{index}", daemon=True)
         s = settings or Settings()
         self.index, self.enhancer, self.metrics = index, enhancer, metrics
-        self.pool = LanePool(enhancer.engine, pool_size)
+        self.pool = make_pool(enhancer.engine, pool_size)  # on CUDA the caches stay on the GPU
         self.ledger = LaneLedger(size=pool_size, capacity=pool_size, free=pool_size)  # admission sets the capacity
         cfg = enhancer.config
         hop_s = cfg.stft.hop / cfg.stft.sample_rate

@@ -1,0 +1,206 @@
+"""`DeviceLanePool`: a `LanePool` whose per-stream caches live where the session computes (GPU
+memory under CUDA), with onnxruntime I/O binding.
+
+A `LanePool` keeps every stream's state and key/value rings in numpy arrays: each call sends the
+rings of the lanes it steps to the session and takes the new rows back. On the CPU that costs
+nothing; under CUDA it would move the rings (megabytes per stream) across the bus on every 16 ms
+step. Here the caches are device buffers that the step graph reads in place (bound by address: a
+lane range is a pointer and a shape), its updated states and new key/value rows stay on the device,
+and three small graphs (`enhancer.lane_graphs`) write them into the pool there. Per call only the
+hops, gain floors and positions go in and the enhanced hops, activity and competition come out.
+
+Same interface, same results as `LanePool` (tests/enhancer/test_device_pool.py steps both through
+the same calls on the CPU; `server/tools/gpu_check.py` does it under CUDA). Float key/value rings
+only: int8 rings (`enhancer.ringquant`) exist to save CPU memory bandwidth and stay on `LanePool`.
+`make_pool` picks the pool for an engine.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from math import prod
+
+import numpy as np
+
+from .engine import Engine, LanePool, StepResult
+from .errors import CheckpointError
+from .step_io import NEXT, ring_specs, state_specs
+
+DEVICES_BY_PROVIDER = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
+HOST_OUTPUTS = ("out", "competition", "activity")  # outputs that come back to the host each call
+FORCE_ENV = "TIM_ENHANCER_DEVICE_POOL"
+ZERO_CHUNK_BYTES = 256 << 20  # a reset zeroes at most this many bytes of rings per graph call
+
+
+def engine_device(engine: Engine) -> str:
+    """onnxruntime's device name ("cuda" or "cpu") for the provider the engine's session runs on."""
+    return DEVICES_BY_PROVIDER.get(engine.provider, "cpu")
+
+
+def make_pool(engine: Engine, capacity: int) -> LanePool | DeviceLanePool:
+    """The lane pool for `engine`: on a CUDA session with float rings a `DeviceLanePool` (the caches
+    stay on the GPU), else a `LanePool` (numpy caches). $TIM_ENHANCER_DEVICE_POOL=1 takes the device
+    pool on the CPU provider too (a rehearsal of the GPU's code path; slower than `LanePool` there)."""
+    wanted = engine_device(engine) == "cuda" or os.environ.get(FORCE_ENV) == "1"
+    if wanted and not engine.int8_rings:
+        return DeviceLanePool(engine, capacity)
+    return LanePool(engine, capacity)
+
+
+class _LaneGraphs:
+    """The sessions of the lane graphs on an engine's device (one set per engine, shared by its pools)."""
+
+    def __init__(self, engine: Engine):
+        import onnxruntime as ort
+
+        from . import lane_graphs
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        providers = engine.session.get_providers()
+        self.sessions = {name: ort.InferenceSession(str(lane_graphs.path(name)), so, providers=providers)
+                         for name in lane_graphs.NAMES}
+
+    @classmethod
+    def of(cls, engine: Engine) -> _LaneGraphs:
+        graphs = getattr(engine, "_lane_graphs", None)
+        if graphs is None:
+            graphs = engine._lane_graphs = cls(engine)
+        return graphs
+
+
+class DeviceLanePool:
+    """Batched per-stream state on the session's device: `capacity` lanes, each one channel of one
+    stream (the interface of `LanePool`)."""
+
+    def __init__(self, engine: Engine, capacity: int):
+        import onnxruntime as ort
+
+        if engine.int8_rings:
+            raise CheckpointError(f"{engine.path}: int8 key/value rings stay on the host (LanePool); "
+                                  "a device pool needs a model with float rings")
+        self.engine, self.capacity = engine, int(capacity)
+        self.device = engine_device(engine)
+        self.graphs = _LaneGraphs.of(engine)
+        cfg = engine.config
+        self.states = [(name, shape, prod(shape)) for name, shape in state_specs(cfg)]
+        self.rings_shape = (len(ring_specs(cfg)), self.capacity) + ring_specs(cfg)[0][1]  # (2N, C, H, W, dh)
+        self.ring_names = [name for name, _ in ring_specs(cfg)]
+        self._ring_lane = prod(self.rings_shape[2:])  # floats per lane in one ring
+        alloc = ort.OrtValue.ortvalue_from_shape_and_type
+        self.state_buffers = [alloc((self.capacity, n), np.float32, self.device, 0) for _, _, n in self.states]
+        self.ring_buffer = alloc(self.rings_shape, np.float32, self.device, 0)
+        self.pos = np.zeros(self.capacity, dtype=np.int64)
+        self.free_lanes = list(range(self.capacity))
+        self.lock = threading.Lock()
+        self._zero(np.arange(self.capacity, dtype=np.int64))  # device memory comes uninitialised
+
+    # lanes
+    def alloc(self, n: int) -> np.ndarray:
+        with self.lock:
+            if n > len(self.free_lanes):
+                raise RuntimeError(f"no free lanes: {n} requested, {len(self.free_lanes)} free of {self.capacity}")
+            self.free_lanes.sort()
+            lanes, self.free_lanes = self.free_lanes[:n], self.free_lanes[n:]
+        lanes = np.array(lanes, dtype=np.int64)
+        self.reset(lanes)
+        return lanes
+
+    def free(self, lanes) -> None:
+        with self.lock:
+            self.free_lanes.extend(int(x) for x in lanes)
+
+    @property
+    def n_free(self) -> int:
+        return len(self.free_lanes)
+
+    def reset(self, lanes: np.ndarray) -> None:
+        self._zero(np.asarray(lanes, dtype=np.int64))
+        self.pos[lanes] = 0
+
+    # device updates
+    def _bind_in(self, io, name: str, shape, ptr: int, dtype=np.float32) -> None:
+        io.bind_input(name, self.device, 0, dtype, list(shape), ptr)
+
+    def _bind_out(self, io, name: str, shape, ptr: int) -> None:
+        io.bind_output(name, self.device, 0, np.float32, list(shape), ptr)
+
+    def _run_in_place(self, graph: str, data_shape, data_ptr: int, tensors: dict) -> None:
+        """One lane graph with its `data` input and `out` output bound to the same device memory."""
+        sess = self.graphs.sessions[graph]
+        io = sess.io_binding()
+        self._bind_in(io, "data" if graph != "ring_writer" else "rings", data_shape, data_ptr)
+        for name, value in tensors.items():
+            if isinstance(value, np.ndarray):
+                io.bind_cpu_input(name, value)
+            else:  # (shape, device pointer) of a step output
+                shape, ptr = value
+                self._bind_in(io, name, shape, ptr)
+        self._bind_out(io, "out", data_shape, data_ptr)
+        sess.run_with_iobinding(io)
+
+    def _zero(self, lanes: np.ndarray) -> None:
+        if lanes.size == 0:
+            return
+        for (_, _, n), buf in zip(self.states, self.state_buffers):
+            self._run_in_place("zero_rows", (1, self.capacity, n), buf.data_ptr(), {"lanes": lanes})
+        m = self.rings_shape[0]
+        per_call = max(1, ZERO_CHUNK_BYTES // (4 * m * self._ring_lane))
+        for i in range(0, lanes.size, per_call):
+            self._run_in_place("zero_rows", (m, self.capacity, self._ring_lane), self.ring_buffer.data_ptr(),
+                               {"lanes": lanes[i:i + per_call]})
+
+    # steps
+    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
+        r = self.run(lanes, hops[:, None], min_gain)
+        comp = None if r.competition is None else r.competition[:, 0]
+        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
+
+    def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        """Advance `lanes` (distinct) by T hops each in one call: hops (k, T, hop) -> out (k, T, hop),
+        as `LanePool.run`: the call covers the lane range [min, max]; lanes in it that are not
+        stepping are computed but left untouched."""
+        eng = self.engine
+        lanes = np.asarray(lanes, dtype=np.int64)
+        lo, hi = int(lanes.min()), int(lanes.max()) + 1
+        idx = lanes - lo
+        b = hi - lo
+        if b == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
+            h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
+        else:
+            h = np.zeros((b,) + hops.shape[1:], dtype=np.float32)
+            g = np.zeros(b, dtype=np.float32)
+            h[idx], g[idx] = hops, min_gain
+        t = hops.shape[1]
+        io = eng.session.io_binding()
+        io.bind_cpu_input("hops", h)
+        io.bind_cpu_input("min_gain", g)
+        io.bind_cpu_input("pos", self.pos[lo:hi].copy())
+        for (name, shape, n), buf in zip(self.states, self.state_buffers):
+            self._bind_in(io, name, (b,) + shape, buf.data_ptr() + 4 * lo * n)
+        ring_base, ring_bytes = self.ring_buffer.data_ptr(), 4 * self.capacity * self._ring_lane
+        for j, name in enumerate(self.ring_names):
+            self._bind_in(io, name, (b,) + self.rings_shape[2:], ring_base + j * ring_bytes + 4 * lo * self._ring_lane)
+        for name in eng.output_names:
+            io.bind_output(name, "cpu" if name in HOST_OUTPUTS else self.device)
+        eng.session.run_with_iobinding(io)
+        outs = dict(zip(eng.output_names, io.get_outputs()))
+        sel = idx.astype(np.int64)
+        window = eng.config.attention_window
+        s = min(t, window)
+        pos = self.pos[lanes]
+        slots = ((pos[:, None] + (t - s) + np.arange(s)[None, :]) % window).astype(np.int64)
+        kv = outs["kv_rows"]
+        self._run_in_place("ring_writer", self.rings_shape, ring_base,
+                           {"kv_rows": (kv.shape(), kv.data_ptr()), "sel": sel, "lanes": lanes, "slots": slots})
+        for (name, _, n), buf in zip(self.states, self.state_buffers):
+            new = outs[name + NEXT]
+            self._run_in_place("rows_writer", (self.capacity, n), buf.data_ptr(),
+                               {"rows": ((b, n), new.data_ptr()), "sel": sel, "lanes": lanes})
+        self.pos[lanes] += t
+        out = outs["out"].numpy()[sel]
+        comp = outs["competition"].numpy()[sel] if "competition" in outs else None
+        return StepResult(out=out, competition=comp, activity=outs["activity"].numpy()[sel])

@@ -1,0 +1,150 @@
+"""Three small ONNX graphs that update a `DeviceLanePool`'s caches where they live (on the GPU with
+CUDA), so that between steps only the 16 ms hops and their outputs cross the bus:
+
+- `rows_writer`: data (C, L), rows (K, L), sel (k,), lanes (k,) -> data with rows[sel] written at
+  rows `lanes` (a stream state's `_next` output into the pool);
+- `ring_writer`: rings (M, C, H, W, D), kv_rows (K, H, M * T, D), sel (k,), lanes (k,), slots (k, S)
+  -> rings with the last S of the T new rows of stream sel[i] written at lane lanes[i], slots
+  slots[i] (`enhancer.step_io.write_rings`, on the device);
+- `zero_rows`: data (M, C, L), lanes (k,) -> data with rows `lanes` zeroed (a lane's reset).
+
+Each is a ScatterND whose output the pool binds to its input's memory: the update happens in place.
+The graphs hold no weights and every dimension is read from the inputs, so one file of each serves
+every model. They are built with `onnx` (`build()`, a development dependency) and shipped as files
+beside this module; `tests/enhancer/test_device_pool.py` checks that the files are what `build()`
+writes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+GRAPHS_DIR = Path(__file__).resolve().parent / "lane_graphs"
+NAMES = ("rows_writer", "ring_writer", "zero_rows")
+OPSET = 17
+
+
+def path(name: str) -> Path:
+    if name not in NAMES:
+        raise ValueError(f"no lane graph {name!r}; one of {', '.join(NAMES)}")
+    return GRAPHS_DIR / f"{name}.onnx"
+
+
+def build() -> dict:
+    """The three graphs as onnx ModelProtos, by name (needs the `onnx` package)."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper as h
+
+    def i64(name, values):
+        return h.make_node("Constant", [], [name], value=h.make_tensor(name, TP.INT64, [len(values)], values))
+
+    def model(name, nodes, inputs, outputs):
+        g = h.make_graph(nodes, name, inputs, outputs)
+        m = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET)], producer_name="tim-enhancer")
+        m.ir_version = 8
+        m.doc_string = f"tim-enhancer lane graph {name}: an in-place ScatterND update of a device lane pool"
+        onnx.checker.check_model(m, full_check=True)
+        return m
+
+    f32, i64t = TP.FLOAT, TP.INT64
+    vi = h.make_tensor_value_info
+    graphs = {}
+
+    # rows_writer
+    graphs["rows_writer"] = model("rows_writer", [
+        h.make_node("Gather", ["rows", "sel"], ["picked"], axis=0),
+        i64("one", [1]),
+        h.make_node("Unsqueeze", ["lanes", "one"], ["index"]),
+        h.make_node("ScatterND", ["data", "index", "picked"], ["out"]),
+    ], [vi("data", f32, ["C", "L"]), vi("rows", f32, ["K", "L"]), vi("sel", i64t, ["k"]), vi("lanes", i64t, ["k"])],
+        [vi("out", f32, ["C", "L"])])
+
+    # ring_writer: updates (M, k, H, S, D) at indices (M, k, H, S, 4) = (ring, lane, head, slot)
+    nodes = [
+        h.make_node("Gather", ["kv_rows", "sel"], ["picked"], axis=0),  # (k, H, M*T, D)
+        h.make_node("Shape", ["rings"], ["rshape"]),  # M, C, H, W, D
+        h.make_node("Shape", ["lanes"], ["kshape"]),  # k
+        h.make_node("Shape", ["slots"], ["sshape"]),  # k, S
+        h.make_node("Shape", ["picked"], ["pshape"]),  # k, H, M*T, D
+        i64("c0", [0]), i64("c1", [1]), i64("c2", [2]), i64("c3", [3]), i64("c4", [4]), i64("c5", [5]),
+        i64("m1", [-1]), i64("big", [2 ** 62]),
+        h.make_node("Slice", ["rshape", "c0", "c1"], ["M"]),
+        h.make_node("Slice", ["rshape", "c2", "c3"], ["H"]),
+        h.make_node("Slice", ["rshape", "c4", "c5"], ["D"]),
+        h.make_node("Slice", ["sshape", "c1", "c2"], ["S"]),
+        h.make_node("Slice", ["pshape", "c2", "c3"], ["MT"]),
+        h.make_node("Div", ["MT", "M"], ["T"]),
+        h.make_node("Concat", ["kshape", "H", "M", "T", "D"], ["shape5"], axis=0),
+        h.make_node("Reshape", ["picked", "shape5"], ["rows5"]),  # (k, H, M, T, D)
+        h.make_node("Sub", ["T", "S"], ["first"]),
+        h.make_node("Slice", ["rows5", "first", "big", "c3"], ["last"]),  # the last S frames
+        h.make_node("Transpose", ["last"], ["updates"], perm=[2, 0, 1, 3, 4]),  # (M, k, H, S, D)
+        h.make_node("Concat", ["M", "kshape", "H", "S"], ["ishape"], axis=0),
+        h.make_node("Squeeze", ["M"], ["Ms"]), h.make_node("Squeeze", ["H"], ["Hs"]),
+        h.make_node("Constant", [], ["zero"], value=h.make_tensor("zero", TP.INT64, [], [0])),
+        h.make_node("Constant", [], ["step"], value=h.make_tensor("step", TP.INT64, [], [1])),
+        h.make_node("Range", ["zero", "Ms", "step"], ["mr"]),
+        h.make_node("Range", ["zero", "Hs", "step"], ["hr"]),
+        h.make_node("Concat", ["M", "c1", "c1", "c1"], ["mshape"], axis=0),
+        h.make_node("Concat", ["c1", "kshape", "c1", "c1"], ["lshape"], axis=0),
+        h.make_node("Concat", ["c1", "c1", "H", "c1"], ["hshape"], axis=0),
+        h.make_node("Concat", ["c1", "kshape", "c1", "S"], ["sshape4"], axis=0),
+        h.make_node("Reshape", ["mr", "mshape"], ["m4"]),
+        h.make_node("Reshape", ["lanes", "lshape"], ["l4"]),
+        h.make_node("Reshape", ["hr", "hshape"], ["h4"]),
+        h.make_node("Reshape", ["slots", "sshape4"], ["s4"]),
+    ]
+    for src in ("m4", "l4", "h4", "s4"):
+        nodes.append(h.make_node("Expand", [src, "ishape"], [src + "e"]))
+        nodes.append(h.make_node("Unsqueeze", [src + "e", "m1"], [src + "u"]))
+    nodes += [
+        h.make_node("Concat", ["m4u", "l4u", "h4u", "s4u"], ["index"], axis=-1),  # (M, k, H, S, 4)
+        h.make_node("ScatterND", ["rings", "index", "updates"], ["out"]),
+    ]
+    graphs["ring_writer"] = model("ring_writer", nodes, [
+        vi("rings", f32, ["M", "C", "H", "W", "D"]), vi("kv_rows", f32, ["K", "H", "MT", "D"]),
+        vi("sel", i64t, ["k"]), vi("lanes", i64t, ["k"]), vi("slots", i64t, ["k", "S"])],
+        [vi("out", f32, ["M", "C", "H", "W", "D"])])
+
+    # zero_rows: indices (M, k, 2) = (block, lane), updates zeros (M, k, L)
+    graphs["zero_rows"] = model("zero_rows", [
+        h.make_node("Shape", ["data"], ["dshape"]),
+        h.make_node("Shape", ["lanes"], ["kshape"]),
+        i64("c0", [0]), i64("c1", [1]), i64("c2", [2]), i64("c3", [3]), i64("m1", [-1]),
+        h.make_node("Slice", ["dshape", "c0", "c1"], ["M"]),
+        h.make_node("Slice", ["dshape", "c2", "c3"], ["L"]),
+        h.make_node("Squeeze", ["M"], ["Ms"]),
+        h.make_node("Constant", [], ["zero"], value=h.make_tensor("zero", TP.INT64, [], [0])),
+        h.make_node("Constant", [], ["step"], value=h.make_tensor("step", TP.INT64, [], [1])),
+        h.make_node("Range", ["zero", "Ms", "step"], ["mr"]),
+        h.make_node("Concat", ["M", "c1"], ["mshape"], axis=0),
+        h.make_node("Concat", ["c1", "kshape"], ["lshape"], axis=0),
+        h.make_node("Concat", ["M", "kshape"], ["ishape"], axis=0),
+        h.make_node("Reshape", ["mr", "mshape"], ["m2"]),
+        h.make_node("Reshape", ["lanes", "lshape"], ["l2"]),
+        h.make_node("Expand", ["m2", "ishape"], ["me"]),
+        h.make_node("Expand", ["l2", "ishape"], ["le"]),
+        h.make_node("Unsqueeze", ["me", "m1"], ["mu"]),
+        h.make_node("Unsqueeze", ["le", "m1"], ["lu"]),
+        h.make_node("Concat", ["mu", "lu"], ["index"], axis=-1),  # (M, k, 2)
+        h.make_node("Concat", ["M", "kshape", "L"], ["zshape"], axis=0),
+        h.make_node("ConstantOfShape", ["zshape"], ["zeros"], value=h.make_tensor("v", TP.FLOAT, [1], [0.0])),
+        h.make_node("ScatterND", ["data", "index", "zeros"], ["out"]),
+    ], [vi("data", f32, ["M", "C", "L"]), vi("lanes", i64t, ["k"])], [vi("out", f32, ["M", "C", "L"])])
+    return graphs
+
+
+def write(folder: Path = GRAPHS_DIR) -> list[Path]:
+    """Write the graphs as `folder/NAME.onnx` (development: `python -m enhancer.lane_graphs`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, m in build().items():
+        p = folder / f"{name}.onnx"
+        p.write_bytes(m.SerializeToString(deterministic=True))
+        out.append(p)
+    return out
+
+
+if __name__ == "__main__":
+    for p in write():
+        print(p)

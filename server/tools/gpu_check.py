@@ -1,0 +1,303 @@
+"""The GPU check: the model and the service under CUDA, measured, written as JSON.
+
+    python -m server.tools.gpu_check --out DIR                       # on a machine with a GPU
+    python -m server.tools.gpu_check --out DIR --device cpu --quick  # the same stages on the CPU (a rehearsal)
+
+`make gpu-check` installs a carried onnxruntime-gpu first (see the Makefile). Stages, each recorded
+even when another fails:
+
+1. environment: GPU, driver, CUDA libraries, onnxruntime and its providers;
+2. `enhancer info --device cuda` for each model: the provider in use and where stream state lives;
+3. parity with the CPU: a file, and 8 concurrent streams sharing one lane pool fed in chunks of
+   different sizes, each against the CPU's output for the same signal (tolerance: the export's,
+   `MAX_REL_DIFF` of the output's peak for float graphs, 30 dB output/difference for 8-bit ones);
+4. `enhancer bench --device cuda` at batch 1, 16, 64, 256 and 1024 (p50/p99 ms per step, the
+   largest batch whose p99 fits the 16 ms hop: streams per GPU in real time);
+5. the load test against a server on the GPU: `--load-streams` live websocket streams, driven by
+   `--clients` load generator processes: admitted, refused, late messages, latency p50/p99.
+
+Everything goes to DIR/gpu-check.json (rewritten after each stage) and a table at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from . import REPO_ROOT
+
+FILE = REPO_ROOT / "tests" / "fixtures" / "golden" / "noisy.flac"
+EIGHT_BIT_SNR_DB = 30.0  # the export's bar for 8-bit graphs (output over its difference)
+
+
+def _cmd(args: list[str], timeout: float = 600.0) -> tuple[int, str, str]:
+    p = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    return p.returncode, p.stdout, p.stderr
+
+
+def environment() -> dict:
+    import onnxruntime as ort
+
+    from enhancer.engine import preload_cuda_libraries
+
+    env = {"python": platform.python_version(), "onnxruntime": ort.__version__, "onnxruntime_file": ort.__file__,
+           "cuda_libraries_preloaded": preload_cuda_libraries(), "providers": ort.get_available_providers(),
+           "cpus": os.cpu_count()}
+    try:
+        rc, out, _ = _cmd(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                           "--format=csv,noheader"], timeout=30)
+        env["gpu"] = out.strip() if rc == 0 else None
+        rc, out, _ = _cmd(["nvidia-smi"], timeout=30)
+        env["cuda_driver_api"] = next((line.split("CUDA Version:")[1].strip(" |") for line in out.splitlines()
+                                       if "CUDA Version:" in line), None)
+    except (OSError, subprocess.TimeoutExpired):
+        env["gpu"] = None
+    from importlib.metadata import PackageNotFoundError, version
+
+    libs = {}
+    for name in ("nvidia-cuda-runtime", "nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-curand", "nvidia-cufft"):
+        try:
+            libs[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    env["cuda_packages"] = libs
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+        env["cpu"] = cpu
+    except (OSError, StopIteration):
+        pass
+    return env
+
+
+def info(model: Path, device: str) -> dict:
+    rc, out, err = _cmd([sys.executable, "-m", "enhancer", "info", str(model), "--device", device, "--json"], timeout=120)
+    if rc != 0:
+        return {"rc": rc, "error": err.strip()[-2000:]}
+    d = json.loads(out)
+    return {k: d.get(k) for k in ("provider", "available_providers", "onnxruntime", "stream_state", "weights", "rings",
+                                  "parameters", "file")}
+
+
+def _compare(got: np.ndarray, want: np.ndarray) -> dict:
+    diff = got.astype(np.float64) - want
+    peak = float(np.abs(want).max())
+    energy, err = float(np.sum(want.astype(np.float64) ** 2)), float(np.sum(diff ** 2))
+    return {"max_abs_diff": float(np.abs(diff).max()), "max_rel_diff": float(np.abs(diff).max() / peak) if peak else None,
+            "snr_db": float("inf") if err == 0 else 10 * np.log10(energy / err), "samples": int(want.size),
+            "finite": bool(np.isfinite(got).all())}
+
+
+def parity(model: Path, device: str, streams: int = 8) -> dict:
+    """A file, then `streams` concurrent streams in one pool, on `device` against the CPU."""
+    import soundfile as sf
+
+    from enhancer.device_pool import make_pool
+    from enhancer.export import MAX_REL_DIFF
+    from enhancer.runtime import Enhancer
+
+    cpu = Enhancer.from_pretrained(model, providers=["CPUExecutionProvider"])
+    dev = Enhancer.from_pretrained(model, providers=None if device == "cuda" else ["CPUExecutionProvider"])
+    x, sr = sf.read(str(FILE), dtype="float32")
+    eight_bit = cpu.engine.weights == "int8" or cpu.engine.int8_rings
+
+    def ok(c: dict) -> bool:
+        if not c["finite"]:
+            return False
+        return c["snr_db"] >= EIGHT_BIT_SNR_DB if eight_bit else c["max_rel_diff"] <= MAX_REL_DIFF
+
+    res = {"provider": dev.provider, "tolerance": f">= {EIGHT_BIT_SNR_DB:g} dB" if eight_bit else
+           f"max_rel_diff <= {MAX_REL_DIFF:g}", "file": str(FILE.relative_to(REPO_ROOT))}
+    f = _compare(dev.enhance(x, sr), cpu.enhance(x, sr))
+    res["file_parity"] = f | {"ok": ok(f)}
+    # streams: different signals (shifted, scaled, reversed), fed in interleaved chunks of different sizes
+    rng = np.random.default_rng(0)
+    signals = [np.roll(x, 1601 * i) * (0.5 + 0.1 * i) * (1 if i % 2 else -1) for i in range(streams)]
+    pool = make_pool(dev.engine, streams)
+    res["pool"] = type(pool).__name__
+    live = [dev.stream(sr, pool=pool) for _ in range(streams)]
+    outs: list[list[np.ndarray]] = [[] for _ in range(streams)]
+    pos = [0] * streams
+    while any(p < len(s) for p, s in zip(pos, signals)):
+        for i in rng.permutation(streams):
+            if pos[i] >= len(signals[i]):
+                continue
+            n = int(rng.choice([256, 320, 1000, 4096]))
+            outs[i].append(live[i].feed(signals[i][pos[i]:pos[i] + n]))
+            pos[i] += n
+    per = []
+    for i in range(streams):
+        outs[i].append(live[i].flush())
+        c = _compare(np.concatenate(outs[i]), cpu.enhance(signals[i], sr))
+        per.append(c | {"ok": ok(c)})
+    res["streams"] = streams
+    res["stream_parity"] = per
+    res["worst_stream_max_rel_diff"] = max(c["max_rel_diff"] for c in per)
+    res["worst_stream_snr_db"] = min(c["snr_db"] for c in per)
+    res["ok"] = res["file_parity"]["ok"] and all(c["ok"] for c in per)
+    return res
+
+
+def bench(model: Path, device: str, batches: str, steps: int) -> dict:
+    rc, out, err = _cmd([sys.executable, "-m", "enhancer", "bench", "--model", str(model), "--device", device,
+                         "--batches", batches, "--steps", str(steps), "--json"], timeout=300)
+    if rc != 0:
+        return {"rc": rc, "error": err.strip()[-3000:]}
+    return json.loads(out)
+
+
+def load_test(model: Path, device: str, levels: list[int], clients: int, seconds: float) -> dict:
+    """One server on `device` with a fixed capacity of max(levels); for each level, `clients` load
+    generator processes share the streams (the websocket clients of one Python process top out
+    long before a GPU does)."""
+    from .launch import start
+
+    top = max(levels)
+    t0 = time.perf_counter()
+    srv = start(model, device=device, workers=1, max_streams=top, capacity=top)
+    res = {"server_start_s": round(time.perf_counter() - t0, 1), "capacity": top, "levels": []}
+    try:
+        for n in levels:
+            k = max(1, min(clients, n))
+            share = [n // k + (i < n % k) for i in range(k)]
+            procs = [subprocess.Popen([sys.executable, "-m", "server.tools.loadtest", "--url", srv.ws_url,
+                                       "--server-pid", str(srv.pid), "--streams", str(s), "--seconds", str(seconds),
+                                       "--file", str(FILE), "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for s in share]
+            parts = []
+            for p in procs:
+                out, err = p.communicate(timeout=seconds + 120)
+                line = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
+                parts.append(json.loads(line) if line else {"error": err.strip()[-1500:], "rc": p.returncode})
+            good = [q for q in parts if "admitted" in q]
+            level = {
+                "streams": n, "clients": k, "seconds": seconds,
+                "admitted": sum(q["admitted"] for q in good), "refused": sum(q["refused"] for q in good),
+                "messages": sum(q["messages"] for q in good), "late": sum(q["late"] for q in good),
+                "late_other": sum(q.get("late_other", 0) for q in good),
+                "latency_p50_ms": float(np.median([q["latency_p50_ms"] for q in good if q["latency_p50_ms"] is not None]))
+                if good else None,
+                "latency_p99_ms_worst_client": max((q["latency_p99_ms"] or 0) for q in good) if good else None,
+                "latency_max_ms": max((q["latency_max_ms"] or 0) for q in good) if good else None,
+                "server_late_hops": max((q["server_late_hops"] for q in good), default=None),
+                "server_cpu_pct": max((q["server_cpu_pct"] for q in good), default=None),
+                "mean_batch": max((q["mean_batch"] or 0 for q in good), default=None),
+                "mean_step_ms": max((q["mean_step_ms"] or 0 for q in good), default=None),
+                "complete": all(q.get("complete") for q in good) and len(good) == len(parts),
+                "errors": [e for q in parts for e in q.get("errors", [])][:10] + [q["error"] for q in parts if "error" in q],
+                "budget_ms": good[0]["budget_ms"] if good else None,
+            }
+            res["levels"].append(level)
+            print(f"load test: {n} streams: admitted {level['admitted']}, late {level['late']} of {level['messages']}, "
+                  f"p50 {level['latency_p50_ms']} ms, worst p99 {level['latency_p99_ms_worst_client']} ms", flush=True)
+    finally:
+        srv.stop()
+        res["server_log_tail"] = srv.log_tail(3000)
+    return res
+
+
+def summary(report: dict) -> str:
+    lines = [f"GPU check ({report['device']}), {report.get('environment', {}).get('gpu')}"]
+    for name, i in report.get("info", {}).items():
+        lines.append(f"info {name}: provider {i.get('provider')}, stream state {i.get('stream_state')}, "
+                     f"weights {i.get('weights')}, rings {i.get('rings')} {i.get('error', '')}")
+    for name, p in report.get("parity", {}).items():
+        if "error" in p:
+            lines.append(f"parity {name}: ERROR {p['error'][-300:]}")
+            continue
+        lines.append(f"parity {name}: file rel {p['file_parity']['max_rel_diff']:.2e} ({p['file_parity']['snr_db']:.1f} dB); "
+                     f"{p['streams']} streams worst rel {p['worst_stream_max_rel_diff']:.2e} "
+                     f"({p['worst_stream_snr_db']:.1f} dB) [{p['tolerance']}]: {'ok' if p['ok'] else 'FAIL'} ({p['pool']})")
+    for name, b in report.get("bench", {}).items():
+        if "error" in b:
+            lines.append(f"bench {name}: ERROR {b['error'][-300:]}")
+            continue
+        lines.append(f"bench {name} ({b['provider']}): " + "; ".join(
+            f"b{s['batch']} {s['p50_ms']:.2f}/{s['p99_ms']:.2f}" for s in b["step"])
+            + f" ms p50/p99; streams in real time {b['streams_per_core']}; offline RTF {b['offline_rtf']:.4f}")
+    lt = report.get("load_test", {})
+    for lv in lt.get("levels", []):
+        lines.append(f"load {lv['streams']} streams ({lv['clients']} clients): admitted {lv['admitted']}, refused "
+                     f"{lv['refused']}, late {lv['late']} of {lv['messages']} (budget {lv['budget_ms']} ms), p50 "
+                     f"{lv['latency_p50_ms']} ms, worst p99 {lv['latency_p99_ms_worst_client']} ms, server CPU "
+                     f"{lv['server_cpu_pct']}, mean batch {lv['mean_batch']}, complete {lv['complete']}")
+    if "error" in lt:
+        lines.append(f"load test: ERROR {lt['error'][-500:]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m server.tools.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for gpu-check.json")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--model", action="append", default=None,
+                   help="step graphs to check (default: the shipped one); the first is benchmarked at every batch "
+                        "and load tested")
+    p.add_argument("--batches", default="1,16,64,256,1024")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--load-streams", default="64,128,256", help="live streams per load-test level")
+    p.add_argument("--clients", type=int, default=8, help="load generator processes")
+    p.add_argument("--seconds", type=float, default=15.0, help="length of each load-test level")
+    p.add_argument("--quick", action="store_true", help="small sizes (a rehearsal on the CPU)")
+    p.add_argument("--skip", default="", help="stages to skip, comma-separated (info, parity, bench, load)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batches, a.steps, a.load_streams, a.clients, a.seconds = "1,4", 30, "2,4", 2, 3.0
+    from enhancer.runtime import default_model_path
+
+    models = [Path(m) for m in (a.model or [default_model_path()])]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, a.skip.split(",")))
+    report: dict = {"device": a.device, "models": [str(m) for m in models], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                                   time.gmtime())}
+
+    def save() -> None:
+        (out / "gpu-check.json").write_text(json.dumps(report, indent=2, default=str))
+
+    def stage(name: str, key: str | None, fn, *args) -> None:
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            value = fn(*args)
+        except Exception as e:  # recorded; the next stage runs
+            value = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
+        value_t = round(time.perf_counter() - t0, 1)
+        if key is None:
+            report[name] = value
+        else:
+            report.setdefault(name, {})[key] = value
+        report.setdefault("stage_seconds", {})[f"{name}:{key}" if key else name] = value_t
+        save()
+
+    stage("environment", None, environment)
+    print(json.dumps(report["environment"], default=str), flush=True)
+    for m in models:
+        if "info" not in skip:
+            stage("info", m.name, info, m, a.device)
+        if "parity" not in skip:
+            stage("parity", m.name, parity, m, a.device)
+    if "bench" not in skip:
+        stage("bench", models[0].name, bench, models[0], a.device, a.batches, a.steps)
+    if "load" not in skip:
+        levels = [int(x) for x in a.load_streams.split(",")]
+        stage("load_test", None, load_test, models[0], a.device, levels, a.clients, a.seconds)
+    if "bench" not in skip:
+        for m in models[1:]:  # the others at the small batches (a host lane pool at large ones moves the rings)
+            stage("bench", m.name, bench, m, a.device, ",".join(a.batches.split(",")[:3]), max(30, a.steps // 2))
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    save()
+    print(summary(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`DeviceLanePool` (caches bound in place, updated by the lane graphs) against `LanePool` (numpy
+caches), on the CPU provider: the same calls give the same outputs. Under CUDA the same code runs
+with device buffers (`server/tools/gpu_check.py` repeats this comparison there)."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from enhancer import lane_graphs
+from enhancer.device_pool import DeviceLanePool, make_pool
+from enhancer.engine import LanePool
+from enhancer.errors import CheckpointError
+from enhancer.step_io import write_rings
+
+
+def test_lane_graph_files_are_what_build_writes():
+    for name, proto in lane_graphs.build().items():
+        assert lane_graphs.path(name).read_bytes() == proto.SerializeToString(deterministic=True), name
+
+
+@pytest.mark.parametrize("frames", [1, 3, 21])  # 21 > the window of 16: only the last 16 rows are kept
+def test_ring_writer_matches_write_rings(rng, frames):
+    sess = ort.InferenceSession(str(lane_graphs.path("ring_writer")), providers=["CPUExecutionProvider"])
+    m, c, h, w, d, k = 4, 6, 3, 16, 5, 5
+    rings = rng.standard_normal((m, c, h, w, d)).astype(np.float32)
+    kv = rng.standard_normal((k, h, m * frames, d)).astype(np.float32)
+    sel, lanes, pos = np.array([4, 0, 2]), np.array([1, 5, 2]), np.array([0, 13, 40])
+    s = min(frames, w)
+    slots = (pos[:, None] + (frames - s) + np.arange(s)) % w
+    got = sess.run(None, {"rings": rings, "kv_rows": kv, "sel": sel, "lanes": lanes, "slots": slots})[0]
+    want = rings.copy()
+    write_rings(want, kv[sel], pos, w, lanes)
+    assert np.array_equal(got, want)
+
+
+def _pools(enhancer_rt, capacity):
+    return LanePool(enhancer_rt.engine, capacity), DeviceLanePool(enhancer_rt.engine, capacity)
+
+
+def test_device_pool_matches_lane_pool(enhancer_rt, rng):
+    """Live steps and multi-frame calls, lane subsets with gaps, a lane freed and reused mid-way:
+    every output equal (the same session computes both)."""
+    cfg = enhancer_rt.config
+    hop = cfg.stft.hop
+    host, dev = _pools(enhancer_rt, 6)
+    lanes_h, lanes_d = host.alloc(5), dev.alloc(5)
+    assert np.array_equal(lanes_h, lanes_d)
+    calls = [(np.arange(5), 1)] * 3 + [(np.array([0, 2, 4]), 1), (np.array([1, 3]), 4), (np.arange(5), 19),
+                                       (np.array([4]), 1), (np.arange(5), 1)]
+    for i, (which, frames) in enumerate(calls * 3):
+        if i == 10:  # lane 2 ends; a new stream takes it, fresh
+            for p in (host, dev):
+                p.free([2])
+            assert np.array_equal(host.alloc(1), dev.alloc(1))
+        x = (rng.standard_normal((len(which), frames, hop)) * 0.1).astype(np.float32)
+        g = rng.uniform(0, 0.3, len(which)).astype(np.float32)
+        a = host.run(lanes_h[which], x, g)
+        b = dev.run(lanes_d[which], x, g)
+        scale = max(float(np.abs(a.out).max()), 1e-6)
+        assert np.abs(a.out - b.out).max() <= 1e-5 * scale, (i, which, frames)
+        assert np.allclose(a.activity, b.activity, rtol=1e-5, atol=1e-6)
+        if a.competition is not None:
+            assert np.allclose(a.competition, b.competition, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(host.pos, dev.pos)
+
+
+def test_device_pool_reset_gives_a_fresh_stream(enhancer_rt, rng):
+    """A lane that was used, reset, steps exactly as a lane never used."""
+    hop = enhancer_rt.config.stft.hop
+    dev = DeviceLanePool(enhancer_rt.engine, 2)
+    lanes = dev.alloc(2)
+    for _ in range(5):
+        dev.step(lanes, (rng.standard_normal((2, hop)) * 0.3).astype(np.float32), np.zeros(2, np.float32))
+    dev.reset(lanes[:1])
+    x = (rng.standard_normal((1, hop)) * 0.1).astype(np.float32)
+    fresh = LanePool(enhancer_rt.engine, 1)
+    want = fresh.step(fresh.alloc(1), x, np.zeros(1, np.float32)).out
+    got = dev.step(lanes[:1], x, np.zeros(1, np.float32)).out
+    assert np.abs(got - want).max() <= 1e-5 * max(float(np.abs(want).max()), 1e-6)
+
+
+def test_make_pool_keeps_the_cpu_on_lane_pool(enhancer_rt):
+    assert type(make_pool(enhancer_rt.engine, 2)) is LanePool
+
+
+def test_device_pool_refuses_int8_rings(enhancer_rt, monkeypatch):
+    monkeypatch.setattr(type(enhancer_rt.engine), "int8_rings", property(lambda self: True))
+    with pytest.raises(CheckpointError, match="int8 key/value rings"):
+        DeviceLanePool(enhancer_rt.engine, 2)
