@@ -204,6 +204,105 @@ def load_test(model: Path, device: str, levels: list[int], clients: int, seconds
     return res
 
 
+def load_test_servers(model: Path, device: str, servers: int, max_streams: int, offer: float, seconds: float,
+                      batch_wait_ms: float) -> dict:
+    """`servers` server processes sharing the device, each measuring its own capacity at start-up
+    (at most `max_streams`), each offered `offer` x that capacity by a load generator process of
+    its own: what one GPU serves when its host side (event loop, step set-up) is spread over
+    processes, and whether the admitted streams are on time."""
+    from .launch import ServerProcess
+
+    t0 = time.perf_counter()
+    procs = [ServerProcess(model, device=device, workers=1, max_streams=max_streams, max_batch_wait_ms=batch_wait_ms)
+             for _ in range(servers)]
+    try:
+        for srv in procs:
+            srv.wait_ready(timeout=240)
+        res = {"servers": servers, "max_streams": max_streams, "offer": offer, "seconds": seconds,
+               "max_batch_wait_ms": batch_wait_ms, "start_s": round(time.perf_counter() - t0, 1)}
+        gens = [subprocess.Popen([sys.executable, "-m", "server.tools.loadtest", "--url", srv.ws_url, "--server-pid",
+                                  str(srv.pid), "--overload", str(offer), "--seconds", str(seconds), "--file", str(FILE),
+                                  "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for srv in procs]
+        parts = []
+        for g in gens:
+            out, err = g.communicate(timeout=seconds + 180)
+            line = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
+            parts.append(json.loads(line) if line else {"error": err.strip()[-1500:], "rc": g.returncode})
+    finally:
+        for srv in procs:
+            srv.stop()
+    good = [q for q in parts if "admitted" in q]
+    res["per_server"] = [{k: q.get(k) for k in ("capacity", "offered", "admitted", "refused", "refused_1013_with_capacity",
+                                                "messages", "late", "late_other", "latency_p50_ms", "latency_p99_ms",
+                                                "latency_max_ms", "server_cpu_pct", "mean_batch", "mean_step_ms",
+                                                "server_late_hops", "complete", "healthy", "error")} for q in parts]
+    res.update({
+        "capacity": sum(q.get("capacity") or 0 for q in good), "offered": sum(q["offered"] for q in good),
+        "admitted": sum(q["admitted"] for q in good), "refused": sum(q["refused"] for q in good),
+        "messages": sum(q["messages"] for q in good), "late": sum(q["late"] for q in good),
+        "late_other": sum(q.get("late_other", 0) for q in good),
+        "latency_p50_ms_median": float(np.median([q["latency_p50_ms"] for q in good if q["latency_p50_ms"]])) if good else None,
+        "latency_p99_ms_worst": max((q["latency_p99_ms"] or 0 for q in good), default=None),
+        "ok": len(good) == len(parts) and all(q.get("complete") and q.get("healthy") for q in good),
+    })
+    print(f"load test, {servers} server(s): capacity {res['capacity']}, admitted {res['admitted']} of {res['offered']}, "
+          f"late {res['late']} ({res['late_other']} apart from stalls) of {res['messages']}, p50 "
+          f"{res['latency_p50_ms_median']} ms, worst p99 {res['latency_p99_ms_worst']} ms", flush=True)
+    return res
+
+
+def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 100) -> dict:
+    """Where a device-pool step's time goes: the step graph's run alone against the whole
+    `DeviceLanePool.step` (the step plus the lane graphs' writes), by batch size."""
+    from enhancer.device_pool import DeviceLanePool
+    from enhancer.runtime import Enhancer
+
+    enh = Enhancer.from_pretrained(model, providers=None if device == "cuda" else ["CPUExecutionProvider"])
+    eng = enh.engine
+    out = {"provider": enh.provider, "batches": []}
+    for b in batches:
+        pool = DeviceLanePool(eng, b)
+        lanes = pool.alloc(b)
+        x = (np.random.default_rng(0).standard_normal((b, eng.config.stft.hop)) * 0.05).astype(np.float32)
+        g = np.zeros(b, np.float32)
+        for _ in range(20):
+            pool.step(lanes, x, g)
+        t_all = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            pool.step(lanes, x, g)
+            t_all.append(time.perf_counter() - t)
+        calls = {"step": [], "writers": []}
+        run, place = eng.session.run_with_iobinding, pool._run_in_place
+
+        def timed_run(io, *a, _run=run, _calls=calls):
+            t = time.perf_counter()
+            _run(io, *a)
+            _calls["step"].append(time.perf_counter() - t)
+
+        def timed_place(*a, _place=place, _calls=calls):
+            t = time.perf_counter()
+            _place(*a)
+            _calls["writers"].append(time.perf_counter() - t)
+
+        eng.session.run_with_iobinding, pool._run_in_place = timed_run, timed_place
+        try:
+            for _ in range(steps):
+                pool.step(lanes, x, g)
+        finally:
+            del eng.session.run_with_iobinding
+        n_writers = len(calls["writers"]) // steps
+        out["batches"].append({
+            "batch": b, "pool_step_p50_ms": 1000 * float(np.median(t_all)), "pool_step_p99_ms": 1000 * float(np.percentile(t_all, 99)),
+            "graph_run_p50_ms": 1000 * float(np.median(calls["step"])),
+            "writers_per_step": n_writers,
+            "writers_p50_ms_per_step": 1000 * float(np.median(np.array(calls["writers"]).reshape(steps, -1).sum(axis=1))),
+        })
+        del pool
+    return out
+
+
 def summary(report: dict) -> str:
     lines = [f"GPU check ({report['device']}), {report.get('environment', {}).get('gpu')}"]
     for name, i in report.get("info", {}).items():
@@ -223,6 +322,18 @@ def summary(report: dict) -> str:
         lines.append(f"bench {name} ({b['provider']}): " + "; ".join(
             f"b{s['batch']} {s['p50_ms']:.2f}/{s['p99_ms']:.2f}" for s in b["step"])
             + f" ms p50/p99; streams in real time {b['streams_per_core']}; offline RTF {b['offline_rtf']:.4f}")
+    prof = report.get("profile", {})
+    for row in prof.get("batches", []):
+        lines.append(f"profile b{row['batch']}: pool step p50 {row['pool_step_p50_ms']:.2f} ms = graph run "
+                     f"{row['graph_run_p50_ms']:.2f} + {row['writers_per_step']} lane-graph writes "
+                     f"{row['writers_p50_ms_per_step']:.2f} + the rest")
+    for key, m in report.get("load_servers", {}).items():
+        if "error" in m:
+            lines.append(f"load {key}: ERROR {m['error'][-400:]}")
+            continue
+        lines.append(f"load {key}: capacity {m['capacity']}, admitted {m['admitted']} of {m['offered']}, refused "
+                     f"{m['refused']}, late {m['late']} ({m['late_other']} apart from stalls) of {m['messages']}, p50 "
+                     f"{m['latency_p50_ms_median']} ms, worst p99 {m['latency_p99_ms_worst']} ms, ok {m['ok']}")
     lt = report.get("load_test", {})
     for lv in lt.get("levels", []):
         lines.append(f"load {lv['streams']} streams ({lv['clients']} clients): admitted {lv['admitted']}, refused "
@@ -246,6 +357,11 @@ def main(argv=None) -> int:
     p.add_argument("--load-streams", default="64,128,256", help="live streams per load-test level")
     p.add_argument("--clients", type=int, default=8, help="load generator processes")
     p.add_argument("--seconds", type=float, default=15.0, help="length of each load-test level")
+    p.add_argument("--servers", default="", help="also: load tests with these numbers of server processes on the "
+                   "device, each calibrated and offered --offer x its capacity (comma-separated, e.g. 1,4,8)")
+    p.add_argument("--server-max-streams", type=int, default=128, help="--servers: the most streams one process admits")
+    p.add_argument("--offer", type=float, default=1.25, help="--servers: streams offered per capacity")
+    p.add_argument("--batch-wait-ms", type=float, default=12.0, help="--servers: the servers' max_batch_wait_ms")
     p.add_argument("--quick", action="store_true", help="small sizes (a rehearsal on the CPU)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated (info, parity, bench, load)")
     a = p.parse_args(argv)
@@ -290,6 +406,11 @@ def main(argv=None) -> int:
     if "load" not in skip:
         levels = [int(x) for x in a.load_streams.split(",")]
         stage("load_test", None, load_test, models[0], a.device, levels, a.clients, a.seconds)
+    if "profile" not in skip:
+        stage("profile", None, profile_step, models[0], a.device, (1, 4) if a.quick else (1, 64, 1024), 30 if a.quick else 100)
+    for n in [int(x) for x in a.servers.split(",") if x]:
+        stage("load_servers", f"{n}x", load_test_servers, models[0], a.device, n, a.server_max_streams, a.offer,
+              a.seconds, a.batch_wait_ms)
     if "bench" not in skip:
         for m in models[1:]:  # the others at the small batches (a host lane pool at large ones moves the rings)
             stage("bench", m.name, bench, m, a.device, ",".join(a.batches.split(",")[:3]), max(30, a.steps // 2))
