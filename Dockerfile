@@ -7,15 +7,15 @@
 # does not declare it).
 ARG DEVICE=cpu
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 FROM ${PYTHON_IMAGE} AS base-cpu
 
-FROM ${CUDA_IMAGE} AS base-gpu
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
-    && rm -rf /var/lib/apt/lists/*
+# The CUDA image needs no CUDA base: the [gpu] extra installs onnxruntime-gpu with the CUDA 13 and cuDNN
+# libraries it was built against, from their Python wheels (pinned in pyproject.toml; the runtime loads
+# them from there), and the NVIDIA container toolkit mounts the host's driver (`--gpus all`).
+FROM ${PYTHON_IMAGE} AS base-gpu
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 # hadolint ignore=DL3006
 FROM base-${DEVICE}

@@ -111,12 +111,12 @@ gpu-check:
 		echo "gpu-check: onnxruntime-gpu from $(GPU_CARRY)"; \
 		cat $(GPU_CARRY)/onnxruntime-gpu.tar.xz.part* | $(PYTHON) -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')" $(GPU_SITE); \
 	else \
-		$(PYTHON) -m pip install -q --target $(GPU_SITE) "onnxruntime-gpu[cuda,cudnn]==1.31.1" nvidia-cublas; \
+		$(PYTHON) -m pip install -q --target $(GPU_SITE) $$($(PYTHON) -c "import tomllib; e = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(' '.join(e['gpu']))"); \
 	fi; \
 	if ls $(GPU_CARRY)/wheels/*.whl >/dev/null 2>&1; then \
 		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) $(GPU_CARRY)/wheels/*.whl; \
 	else \
-		$(PYTHON) -m pip install -q --target $(GPU_SITE) ".[serve]" httpx==0.28.1; \
+		$(PYTHON) -m pip install -q --target $(GPU_SITE) $$($(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(p['dependencies'] + p['optional-dependencies']['serve']))") httpx==0.28.1; \
 	fi; \
 	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(PYTHON) -m server.tools.gpu_check --out $(GPU_OUT) $(GPU_ARGS)
 

@@ -10,6 +10,10 @@ PROVIDERS: dict[str, tuple[str, ...] | None] = {
     "cuda": ("CUDAExecutionProvider", "CPUExecutionProvider"),
 }
 DEVICES = tuple(PROVIDERS)
+# The [gpu] extra's onnxruntime-gpu and the CUDA major version its CUDA provider is built for (its
+# libraries' sonames end in it: `enhancer.engine.CUDA_LIBRARIES`). Changing the pin means checking
+# the new wheel's CUDA and updating both, the nvidia-* pins and the image (tests/test_gpu_pins.py).
+GPU_RUNTIME = {"onnxruntime-gpu": "1.31.1", "cuda_major": 13}
 
 
 def providers_for(device: str) -> list[str] | None:
