@@ -141,9 +141,10 @@ def lanes_within(points: dict[int, float], budget_ms: float) -> int:
 
 def time_steps(pool, batch: int, reps: int, hop_s: float, rng: np.random.Generator,
                stepping: list | None = None, slot: int = 0, warmup: int = WARMUP) -> np.ndarray:
-    """Durations (s) of `reps` steps of `batch` lanes (0..batch-1), one per hop, after `warmup` untimed
-    ones; `stepping[slot]` says the batch while it is timed (the event loop's emulation reads it)."""
-    lanes = np.arange(batch)
+    """Durations (s) of `reps` steps of `batch` lanes (allocated from the pool, given back after),
+    one per hop, after `warmup` untimed ones; `stepping[slot]` says the batch while it is timed (the
+    event loop's emulation reads it)."""
+    lanes = pool.alloc(batch)
     hop = pool.engine.config.stft.hop
     gains = np.ones(batch, np.float32)
     hops = (0.05 * rng.standard_normal((batch, hop))).astype(np.float32)
@@ -165,7 +166,8 @@ def time_steps(pool, batch: int, reps: int, hop_s: float, rng: np.random.Generat
             tick = t1
     if stepping is not None:
         stepping[slot] = 0
-    pool.reset(lanes)
+    pool.reset(lanes)  # as a new stream finds them
+    pool.free(lanes)
     return out
 
 

@@ -35,6 +35,9 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--agent-port", type=int, default=None, help="TCP port of the HAProxy agent-check (free "
                    "capacity as a weight; default: $TIM_ENHANCER_AGENT_PORT, else none)")
     s.add_argument("--api-key", default=None, help="require this key (default: $TIM_ENHANCER_API_KEY if set)")
+    s.add_argument("--step-server", default=None, metavar="ADDRESS", help="run the model in the step server at this "
+                   "Unix socket (`enhancer step-server`), shared with other serve processes: one GPU for several "
+                   "front-ends (server/README.md, Serving on a GPU)")
     s.set_defaults(fn=cmd_serve)
     return s
 
@@ -47,8 +50,25 @@ def cmd_serve(a) -> int:
     try:
         run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
             api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin, loop_ms=a.loop_ms,
-            drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port)
+            drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port, step_server=a.step_server)
     except ModuleNotFoundError as e:  # installed without the [serve] extra
         raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "
                             f"'tim-enhancer[cpu,serve]' ({e})") from None
     return 0
+
+
+def add_step_server(sub) -> argparse.ArgumentParser:
+    """Add `step-server` to the `enhancer` command's sub-parsers: the process that runs the model for
+    several `enhancer serve --step-server` processes (server.stepserver)."""
+    from .stepserver import add_arguments
+
+    s = sub.add_parser("step-server", help="run the model for several serve processes (one GPU, many front-ends)")
+    add_arguments(s, DEVICES)
+    s.set_defaults(fn=cmd_step_server)
+    return s
+
+
+def cmd_step_server(a) -> int:
+    from .stepserver import run
+
+    return run(a)

@@ -82,7 +82,9 @@ class Scheduler:
     def start(self) -> None:
         s = self.settings
         providers = providers_for(s.device)
-        if s.device == "cuda":
+        if s.step_server:  # the model steps in the step server; the local copy only gives the config
+            providers = ["CPUExecutionProvider"]
+        elif s.device == "cuda":
             import onnxruntime as ort
 
             if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -92,8 +94,18 @@ class Scheduler:
         # in the caches instead of one per worker; each worker keeps its own lane pool.
         enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
         admission = self.admission
+        pools = [None] * s.workers
+        if s.step_server:
+            from .stepserver import RemoteLanePool, StepServerError
+
+            try:
+                pools = [RemoteLanePool(s.step_server, s.lanes_per_worker, enh.engine) for _ in range(s.workers)]
+            except StepServerError as e:
+                raise RuntimeError(str(e)) from None
+            log.info("stepping through the step server at %s (%s, %s)", s.step_server, pools[0].info["provider"],
+                     pools[0].info["pool"])
         workers = [Worker(i, enh, s.lanes_per_worker, self.metrics, s.max_batch_wait_ms / 1000, settings=s,
-                          service_live=lambda: admission.live_lanes)
+                          service_live=lambda: admission.live_lanes, pool=pools[i])
                    for i in range(s.workers)]
         capacity = self._measure(workers)
         admission.set_capacity(capacity, [w.ledger for w in workers])

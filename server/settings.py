@@ -61,12 +61,16 @@ class Settings:
     # finish (those still running then get as long again). Also $TIM_ENHANCER_DRAIN_TIMEOUT_S.
     drain_timeout_s: float = 10.0
     agent_port: int | None = None  # HAProxy agent-check port (server.agent); None: no agent. Also $TIM_ENHANCER_AGENT_PORT
+    # Unix socket of a step server (server.stepserver) that runs the model for this process and others;
+    # None: this process runs it
+    step_server: str | None = None
 
     def __post_init__(self):
         if self.workers is None:  # frozen: the resolved default is set once, here
             from .cpus import available_cpus
 
-            object.__setattr__(self, "workers", 1 if self.device == "cuda" else available_cpus())
+            one = self.device == "cuda" or self.step_server is not None
+            object.__setattr__(self, "workers", 1 if one else available_cpus())
 
     @classmethod
     def build(cls, **kwargs) -> Settings:

@@ -45,11 +45,12 @@ class Worker(threading.Thread):
     cycle while there are any."""
 
     def __init__(self, index: int, enhancer: Enhancer, pool_size: int, metrics: Metrics, max_wait_s: float = 0.0,
-                 settings: Settings | None = None, service_live: Callable[[], int] | None = None):
+                 settings: Settings | None = None, service_live: Callable[[], int] | None = None, pool=None):
         super().__init__(name=f"tim-worker-{index}", daemon=True)
         s = settings or Settings()
         self.index, self.enhancer, self.metrics = index, enhancer, metrics
-        self.pool = make_pool(enhancer.engine, pool_size)  # on CUDA the caches stay on the GPU
+        # on CUDA the caches stay on the GPU; with a step server, `pool` is a RemoteLanePool
+        self.pool = pool if pool is not None else make_pool(enhancer.engine, pool_size)
         self.ledger = LaneLedger(size=pool_size, capacity=pool_size, free=pool_size)  # admission sets the capacity
         cfg = enhancer.config
         hop_s = cfg.stft.hop / cfg.stft.sample_rate

@@ -252,6 +252,78 @@ def load_test_servers(model: Path, device: str, servers: int, max_streams: int, 
     return res
 
 
+def _aggregate(parts: list[dict]) -> dict:
+    good = [q for q in parts if "admitted" in q]
+    return {
+        "per_process": [{k: q.get(k) for k in ("capacity", "offered", "admitted", "refused", "messages", "late",
+                                               "late_other", "latency_p50_ms", "latency_p99_ms", "latency_max_ms",
+                                               "server_cpu_pct", "client_cpu_pct", "mean_batch", "mean_step_ms",
+                                               "server_late_hops", "complete", "healthy", "error")} for q in parts],
+        "capacity": sum(q.get("capacity") or 0 for q in good), "offered": sum(q["offered"] for q in good),
+        "admitted": sum(q["admitted"] for q in good), "refused": sum(q["refused"] for q in good),
+        "messages": sum(q["messages"] for q in good), "late": sum(q["late"] for q in good),
+        "late_other": sum(q.get("late_other", 0) for q in good),
+        "latency_p50_ms_median": float(np.median([q["latency_p50_ms"] for q in good if q["latency_p50_ms"]])) if good else None,
+        "latency_p99_ms_worst": max((q["latency_p99_ms"] or 0 for q in good), default=None),
+        "ok": len(good) == len(parts) and all(q.get("complete") and q.get("healthy") for q in good),
+    }
+
+
+def load_test_step_server(model: Path, device: str, fronts: int, per_front: int, seconds: float, batch_wait_ms: float,
+                          lanes: int = 1024) -> dict:
+    """One step server on `device` (the model, every stream's state) and `fronts` service processes
+    stepping through it (`enhancer serve --step-server`), each admitting `per_front` live streams
+    (a fixed capacity) and driven by a load generator process of its own."""
+    import tempfile
+
+    from .launch import ServerProcess
+
+    address = tempfile.mktemp(prefix="tim-step-", suffix=".sock")
+    log_path = Path(tempfile.mkstemp(prefix="tim-step-", suffix=".log")[1])
+    t0 = time.perf_counter()
+    with open(log_path, "wb") as log_file:
+        step = subprocess.Popen([sys.executable, "-m", "server.stepserver", "--address", address, "--device", device,
+                                 "--lanes", str(lanes), "--model", str(model)], cwd=REPO_ROOT,
+                                stdout=subprocess.DEVNULL, stderr=log_file)
+    procs: list = []
+    res: dict = {"fronts": fronts, "per_front": per_front, "seconds": seconds, "max_batch_wait_ms": batch_wait_ms,
+                 "lanes": lanes}
+    try:
+        deadline = time.time() + 180
+        while not Path(address).exists():
+            if step.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"step server did not start: {log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.1)
+        procs = [ServerProcess(model, device="cpu", workers=1, max_streams=per_front, capacity=per_front,
+                               step_server=address, max_batch_wait_ms=batch_wait_ms) for _ in range(fronts)]
+        for srv in procs:
+            srv.wait_ready(timeout=240)
+        res["start_s"] = round(time.perf_counter() - t0, 1)
+        gens = [subprocess.Popen([sys.executable, "-m", "server.tools.loadtest", "--url", srv.ws_url, "--server-pid",
+                                  str(srv.pid), "--streams", str(per_front), "--seconds", str(seconds), "--file",
+                                  str(FILE), "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for srv in procs]
+        parts = []
+        for g in gens:
+            out, err = g.communicate(timeout=seconds + 180)
+            line = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
+            parts.append(json.loads(line) if line else {"error": err.strip()[-1500:], "rc": g.returncode})
+        res.update(_aggregate(parts))
+    finally:
+        for srv in procs:
+            srv.stop()
+        step.terminate()
+        try:
+            step.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            step.kill()
+        res["step_server_log_tail"] = log_path.read_text(errors="replace")[-1500:]
+    print(f"step server + {fronts} x {per_front}: admitted {res.get('admitted')}, late {res.get('late')} "
+          f"({res.get('late_other')} apart from stalls) of {res.get('messages')}, p50 {res.get('latency_p50_ms_median')} ms, "
+          f"worst p99 {res.get('latency_p99_ms_worst')} ms", flush=True)
+    return res
+
+
 def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 100) -> dict:
     """Where a device-pool step's time goes: the step graph's run alone against the whole
     `DeviceLanePool.step` (the step plus the lane graphs' writes), by batch size."""
@@ -334,6 +406,13 @@ def summary(report: dict) -> str:
         lines.append(f"load {key}: capacity {m['capacity']}, admitted {m['admitted']} of {m['offered']}, refused "
                      f"{m['refused']}, late {m['late']} ({m['late_other']} apart from stalls) of {m['messages']}, p50 "
                      f"{m['latency_p50_ms_median']} ms, worst p99 {m['latency_p99_ms_worst']} ms, ok {m['ok']}")
+    for key, m in report.get("load_step_server", {}).items():
+        if "error" in m or "admitted" not in m:
+            lines.append(f"step server {key}: ERROR {str(m.get('error', m))[-400:]}")
+            continue
+        lines.append(f"step server {key}: admitted {m['admitted']} of {m['offered']}, late {m['late']} "
+                     f"({m['late_other']} apart from stalls) of {m['messages']}, p50 {m['latency_p50_ms_median']} ms, "
+                     f"worst p99 {m['latency_p99_ms_worst']} ms, ok {m['ok']}")
     lt = report.get("load_test", {})
     for lv in lt.get("levels", []):
         lines.append(f"load {lv['streams']} streams ({lv['clients']} clients): admitted {lv['admitted']}, refused "
@@ -362,6 +441,8 @@ def main(argv=None) -> int:
     p.add_argument("--server-max-streams", type=int, default=128, help="--servers: the most streams one process admits")
     p.add_argument("--offer", type=float, default=1.25, help="--servers: streams offered per capacity")
     p.add_argument("--batch-wait-ms", type=float, default=12.0, help="--servers: the servers' max_batch_wait_ms")
+    p.add_argument("--step-server", default="", metavar="NxS,...", help="also: load tests with one step server on "
+                   "the device and N service processes stepping through it, S live streams each (e.g. 4x32,6x48)")
     p.add_argument("--quick", action="store_true", help="small sizes (a rehearsal on the CPU)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated (info, parity, bench, load)")
     a = p.parse_args(argv)
@@ -408,6 +489,10 @@ def main(argv=None) -> int:
         stage("load_test", None, load_test, models[0], a.device, levels, a.clients, a.seconds)
     if "profile" not in skip:
         stage("profile", None, profile_step, models[0], a.device, (1, 4) if a.quick else (1, 64, 1024), 30 if a.quick else 100)
+    for spec in [x for x in a.step_server.split(",") if x]:
+        fronts, per = (int(v) for v in spec.lower().split("x"))
+        stage("load_step_server", spec, load_test_step_server, models[0], a.device, fronts, per, a.seconds,
+              a.batch_wait_ms)
     for n in [int(x) for x in a.servers.split(",") if x]:
         stage("load_servers", f"{n}x", load_test_servers, models[0], a.device, n, a.server_max_streams, a.offer,
               a.seconds, a.batch_wait_ms)

@@ -215,7 +215,13 @@ class FakePool:
         extra = 0.03 if len(lanes) == self.spike_batch and self.batches.count(len(lanes)) == self.spike else 0.0
         self.clock.sleep(0.001 * (1 + len(lanes)) + extra)
 
+    def alloc(self, n):
+        return np.arange(n)
+
     def reset(self, lanes):
+        pass
+
+    def free(self, lanes):
         pass
 
 

@@ -1,0 +1,305 @@
+"""One process that owns the accelerator and steps the streams of several service processes.
+
+A GPU steps 1,000 streams about as fast as one (the step is bound by kernel launches, not by the
+batch), but one service process cannot feed it: its event loop (websocket I/O, decoding, resampling)
+and its worker share one interpreter, and a few dozen live streams fill them. Several processes
+each with their own CUDA session do not add up either: the GPU runs one context at a time, so their
+steps queue behind each other. So the model runs in one process, the step server, and the service
+runs as several front-end processes (`enhancer serve --step-server ADDRESS`) whose workers step
+their streams through it (`RemoteLanePool`, the interface of `LanePool`):
+
+    enhancer step-server --address /run/tim/step.sock --device cuda --lanes 1024
+    enhancer serve --port 8000 --step-server /run/tim/step.sock --capacity 48    # several of these
+
+The step server holds every stream's state in one lane pool on the device (`make_pool`: a
+`DeviceLanePool` under CUDA), hands out lanes on request (the lowest free ones, so the lanes in use
+stay together and a step covers few idle ones), and serves the front-ends' calls in rounds: every
+call that arrived while the last round ran is in the next one, and all live steps (one hop) of a
+round run as one batched step; multi-frame calls (files, backlogs) run one by one after it. A call
+that fails in a batch is retried alone, so a fault tied to one front-end's streams fails that call
+only. A front-end that disconnects has its lanes freed.
+
+Transport: `multiprocessing.connection` over a Unix socket (pickled messages: one hop of audio per
+lane each way). Requests and replies are tuples: ("hello",), ("alloc", n), ("free", lanes),
+("reset", lanes), ("run", lanes, hops (k, T, hop), min_gain (k,)); replies ("ok", ...) or
+("error", message).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
+
+import numpy as np
+
+from enhancer.engine import StepResult
+
+log = logging.getLogger("tim_enhancer.stepserver")
+KEY_ENV = "TIM_ENHANCER_STEP_KEY"  # shared secret of the step server and its front-ends (default: none)
+POLL_S = 0.05  # the round loop wakes at least this often (new connections, stop)
+
+
+def _authkey() -> bytes | None:
+    key = os.environ.get(KEY_ENV)
+    return key.encode() if key else None
+
+
+class StepServer:
+    """The step server: a lane pool of `lanes` lanes on `device`, served at `address` (a Unix
+    socket path). `serve_forever` runs the rounds on the calling thread; `stop` ends it."""
+
+    def __init__(self, address: str, model=None, device: str = "auto", lanes: int = 1024, threads: int = 1):
+        from enhancer.device_pool import make_pool
+        from enhancer.devices import check_device, providers_for
+        from enhancer.runtime import Enhancer
+
+        check_device(device)
+        self.enhancer = Enhancer.from_pretrained(model, providers=providers_for(device), threads=threads)
+        check_device(device, self.enhancer.provider)
+        self.pool = make_pool(self.enhancer.engine, lanes)
+        self.address = str(address)
+        if Path(self.address).exists():  # a socket left by a process that died
+            Path(self.address).unlink()
+        self.listener = Listener(self.address, family="AF_UNIX", authkey=_authkey())
+        self._new: list[Connection] = []
+        self._lock = threading.Lock()
+        self.owned: dict[Connection, set[int]] = {}
+        self._stopping = False
+        self.rounds = 0
+        self.batched_lanes = 0
+        threading.Thread(target=self._accept, name="step-server-accept", daemon=True).start()
+
+    def hello(self) -> dict:
+        eng = self.enhancer.engine
+        return {"config": eng.config.to_dict(), "lanes": self.pool.capacity, "provider": eng.provider,
+                "model": str(eng.path), "pool": type(self.pool).__name__, "pid": os.getpid()}
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError):  # closed by stop(), or a client that failed authentication
+                if self._stopping:
+                    return
+                continue
+            with self._lock:
+                self._new.append(conn)
+
+    def stop(self) -> None:
+        self._stopping = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+    def _drop(self, conn: Connection) -> None:
+        lanes = self.owned.pop(conn, set())
+        if lanes:
+            self.pool.free(sorted(lanes))
+            log.info("front-end disconnected: %d lane(s) freed", len(lanes))
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def serve_forever(self) -> None:
+        log.info("step server at %s: %s, %d lanes (%s)", self.address, self.enhancer.provider, self.pool.capacity,
+                 type(self.pool).__name__)
+        while not self._stopping:
+            with self._lock:
+                for c in self._new:
+                    self.owned[c] = set()
+                self._new.clear()
+            conns = list(self.owned)
+            ready = wait(conns, timeout=POLL_S) if conns else (time.sleep(POLL_S) or [])
+            requests = []
+            for conn in ready:
+                try:
+                    while conn.poll():
+                        requests.append((conn, conn.recv()))
+                except (EOFError, OSError):
+                    self._drop(conn)
+            if requests:
+                self.round(requests)
+
+    def round(self, requests: list[tuple[Connection, tuple]]) -> None:
+        """Answer one round of requests: lane bookkeeping first, then every live step in one batched
+        call, then the multi-frame calls one by one."""
+        live, multi = [], []
+        for conn, msg in requests:
+            if conn not in self.owned:
+                continue
+            try:
+                kind = msg[0]
+                if kind == "run":
+                    lanes = np.asarray(msg[1], dtype=np.int64)
+                    foreign = set(lanes.tolist()) - self.owned[conn]
+                    if foreign:
+                        raise ValueError(f"lanes {sorted(foreign)[:8]} are not this front-end's")
+                    (live if msg[2].shape[1] == 1 else multi).append((conn, lanes, msg[2], msg[3]))
+                else:
+                    self._reply(conn, ("ok", *self._bookkeeping(conn, msg)))
+            except Exception as e:  # a bad request fails alone
+                self._reply(conn, ("error", f"{type(e).__name__}: {e}"))
+        if live:
+            self._run_batched(live)
+        for call in multi:
+            self._run_batched([call])
+
+    def _bookkeeping(self, conn: Connection, msg: tuple) -> tuple:
+        kind = msg[0]
+        if kind == "hello":
+            return (self.hello(),)
+        if kind == "alloc":
+            lanes = self.pool.alloc(int(msg[1]))
+            self.owned[conn].update(int(x) for x in lanes)
+            return (lanes,)
+        lanes = [int(x) for x in msg[1]]
+        foreign = set(lanes) - self.owned[conn]
+        if foreign:
+            raise ValueError(f"lanes {sorted(foreign)[:8]} are not this front-end's")
+        if kind == "free":
+            self.owned[conn].difference_update(lanes)
+            self.pool.free(lanes)
+            return ()
+        if kind == "reset":
+            self.pool.reset(np.asarray(lanes, dtype=np.int64))
+            return ()
+        raise ValueError(f"unknown request {kind!r}")
+
+    def _run_batched(self, calls: list) -> None:
+        lanes = np.concatenate([c[1] for c in calls])
+        try:
+            r = self.pool.run(lanes, np.concatenate([c[2] for c in calls]), np.concatenate([c[3] for c in calls]))
+        except Exception as e:
+            if len(calls) == 1:
+                self._reply(calls[0][0], ("error", f"{type(e).__name__}: {e}"))
+                return
+            log.warning("a batched step of %d calls failed (%s): each alone", len(calls), type(e).__name__)
+            for call in calls:
+                self._run_batched([call])
+            return
+        self.rounds += 1
+        self.batched_lanes += len(lanes)
+        o = 0
+        for conn, ln, _, _ in calls:
+            k = len(ln)
+            comp = None if r.competition is None else r.competition[o:o + k]
+            self._reply(conn, ("ok", r.out[o:o + k], comp, r.activity[o:o + k]))
+            o += k
+
+    def _reply(self, conn: Connection, msg: tuple) -> None:
+        try:
+            conn.send(msg)
+        except (OSError, EOFError, BrokenPipeError):
+            self._drop(conn)
+
+
+class StepServerError(RuntimeError):
+    """The step server refused a call or went away."""
+
+
+class RemoteLanePool:
+    """`LanePool`'s interface over a step server: `capacity` lanes of this front-end (the step
+    server hands out the lanes themselves); `engine` is the front-end's local copy of the model
+    (its config; it never steps). One caller at a time (a worker's thread)."""
+
+    def __init__(self, address: str, capacity: int, engine):
+        self.address, self.capacity, self.engine = str(address), int(capacity), engine
+        try:
+            self.conn = Client(self.address, family="AF_UNIX", authkey=_authkey())
+        except (OSError, EOFError) as e:
+            raise StepServerError(f"cannot reach the step server at {self.address}: {e}") from None
+        self._lock = threading.Lock()
+        self.owned = 0
+        self.info = self._call("hello")[0]
+        if self.info["config"] != engine.config.to_dict():
+            raise StepServerError(f"the step server at {self.address} runs another model ({self.info['model']}) "
+                                  f"than this front-end ({engine.path}): serve the same file")
+
+    def _call(self, *msg) -> tuple:
+        with self._lock:
+            try:
+                self.conn.send(msg)
+                reply = self.conn.recv()
+            except (OSError, EOFError) as e:
+                raise StepServerError(f"the step server at {self.address} went away ({type(e).__name__})") from None
+        if reply[0] != "ok":
+            raise StepServerError(f"step server: {reply[1]}")
+        return reply[1:]
+
+    @property
+    def n_free(self) -> int:
+        return self.capacity - self.owned
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > self.n_free:
+            raise RuntimeError(f"no free lanes: {n} requested, {self.n_free} free of {self.capacity}")
+        lanes = self._call("alloc", int(n))[0]
+        self.owned += len(lanes)
+        return lanes
+
+    def free(self, lanes) -> None:
+        lanes = [int(x) for x in lanes]
+        self._call("free", lanes)
+        self.owned -= len(lanes)
+
+    def reset(self, lanes) -> None:
+        self._call("reset", [int(x) for x in lanes])
+
+    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        r = self.run(lanes, hops[:, None], min_gain)
+        comp = None if r.competition is None else r.competition[:, 0]
+        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
+
+    def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        out, comp, activity = self._call("run", np.asarray(lanes, dtype=np.int64),
+                                         np.ascontiguousarray(hops, dtype=np.float32),
+                                         np.ascontiguousarray(min_gain, dtype=np.float32))
+        return StepResult(out=out, competition=comp, activity=activity)
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+def main(argv=None) -> int:
+    """`enhancer step-server` / `python -m server.stepserver`."""
+    import argparse
+
+    from enhancer.devices import DEVICES
+
+    p = argparse.ArgumentParser(prog="enhancer step-server", description=__doc__.split("\n")[0])
+    add_arguments(p, DEVICES)
+    return run(p.parse_args(argv))
+
+
+def add_arguments(p, devices) -> None:
+    p.add_argument("--address", required=True, help="Unix socket path the front-ends connect to (--step-server)")
+    p.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one); the front-ends "
+                   "must load the same file")
+    p.add_argument("--device", choices=devices, default="auto", help="where to run the model (auto: CUDA when "
+                   "this onnxruntime has it, else CPU)")
+    p.add_argument("--lanes", type=int, default=1024, help="lanes of the pool (one per channel of every stream "
+                   "and file of every front-end)")
+
+
+def run(a) -> int:
+    """Serve until SIGTERM / SIGINT."""
+    import signal
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    srv = StepServer(a.address, a.model, a.device, a.lanes)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: srv.stop())
+    srv.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
