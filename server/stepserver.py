@@ -40,6 +40,10 @@ from enhancer.engine import StepResult
 log = logging.getLogger("tim_enhancer.stepserver")
 KEY_ENV = "TIM_ENHANCER_STEP_KEY"  # shared secret of the step server and its front-ends (default: none)
 POLL_S = 0.05  # the round loop wakes at least this often (new connections, stop)
+# A round waits for the front-ends that stepped in the last one, at most this long after its first
+# call: one batched step per hop for every front-end, not one per front-end (each would wait for the
+# others' steps).
+GATHER_MS = 4.0
 
 
 def _authkey() -> bytes | None:
@@ -51,7 +55,8 @@ class StepServer:
     """The step server: a lane pool of `lanes` lanes on `device`, served at `address` (a Unix
     socket path). `serve_forever` runs the rounds on the calling thread; `stop` ends it."""
 
-    def __init__(self, address: str, model=None, device: str = "auto", lanes: int = 1024, threads: int = 1):
+    def __init__(self, address: str, model=None, device: str = "auto", lanes: int = 1024, threads: int = 1,
+                 gather_ms: float = GATHER_MS):
         from enhancer.device_pool import make_pool
         from enhancer.devices import check_device, providers_for
         from enhancer.runtime import Enhancer
@@ -60,6 +65,7 @@ class StepServer:
         self.enhancer = Enhancer.from_pretrained(model, providers=providers_for(device), threads=threads)
         check_device(device, self.enhancer.provider)
         self.pool = make_pool(self.enhancer.engine, lanes)
+        self.gather_s = gather_ms / 1000.0
         self.address = str(address)
         if Path(self.address).exists():  # a socket left by a process that died
             Path(self.address).unlink()
@@ -108,22 +114,37 @@ class StepServer:
     def serve_forever(self) -> None:
         log.info("step server at %s: %s, %d lanes (%s)", self.address, self.enhancer.provider, self.pool.capacity,
                  type(self.pool).__name__)
+        pending: list[tuple[Connection, tuple]] = []  # calls to step in the next round
+        first = 0.0  # when the first of them arrived
+        expected: set[Connection] = set()  # the front-ends that stepped in the last round
         while not self._stopping:
             with self._lock:
                 for c in self._new:
                     self.owned[c] = set()
                 self._new.clear()
             conns = list(self.owned)
-            ready = wait(conns, timeout=POLL_S) if conns else (time.sleep(POLL_S) or [])
-            requests = []
+            timeout = POLL_S if not pending else max(0.0, first + self.gather_s - time.perf_counter())
+            ready = wait(conns, timeout=timeout) if conns else (time.sleep(POLL_S) or [])
+            bookkeeping = []
             for conn in ready:
                 try:
                     while conn.poll():
-                        requests.append((conn, conn.recv()))
+                        msg = conn.recv()
+                        if msg and msg[0] == "run":
+                            if not pending:
+                                first = time.perf_counter()
+                            pending.append((conn, msg))
+                        else:
+                            bookkeeping.append((conn, msg))
                 except (EOFError, OSError):
                     self._drop(conn)
-            if requests:
-                self.round(requests)
+            if bookkeeping:  # lanes and resets at once: a stream being opened waits for no round
+                self.round(bookkeeping)
+            if pending:
+                submitted = {c for c, _ in pending}
+                if (expected & set(self.owned)) <= submitted or time.perf_counter() >= first + self.gather_s:
+                    self.round(pending)
+                    expected, pending = submitted, []
 
     def round(self, requests: list[tuple[Connection, tuple]]) -> None:
         """Answer one round of requests: lane bookkeeping first, then every live step in one batched
@@ -287,6 +308,8 @@ def add_arguments(p, devices) -> None:
                    "this onnxruntime has it, else CPU)")
     p.add_argument("--lanes", type=int, default=1024, help="lanes of the pool (one per channel of every stream "
                    "and file of every front-end)")
+    p.add_argument("--gather-ms", type=float, default=GATHER_MS, help="how long a round waits for the front-ends "
+                   "that stepped in the last one (one batched step per hop for all of them)")
 
 
 def run(a) -> int:
@@ -294,7 +317,7 @@ def run(a) -> int:
     import signal
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    srv = StepServer(a.address, a.model, a.device, a.lanes)
+    srv = StepServer(a.address, a.model, a.device, a.lanes, gather_ms=a.gather_ms)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: srv.stop())
     srv.serve_forever()

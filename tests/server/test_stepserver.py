@@ -51,7 +51,8 @@ def test_two_front_ends_step_as_a_local_pool_would(step_server, enhancer_rt, rng
         t.start()
     for t in threads:
         t.join()
-    assert step_server.rounds > 0
+    # the two front-ends' calls share rounds (a round waits for the front-ends of the last one)
+    assert 0 < step_server.rounds < 0.75 * 2 * n_steps
     for i in range(2):
         local = LanePool(enhancer_rt.engine, 3)
         ll = local.alloc(3)
