@@ -30,6 +30,9 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--loop-ms", type=float, default=None, help="the event loop's CPU per live stream and hop, "
                    "reproduced while measuring the capacity (default 0.2; /readyz shows the figure measured while "
                    "serving as loop_ms_per_stream)")
+    s.add_argument("--max-batch-wait-ms", type=float, default=None, help="longest wait of a ready hop for the other "
+                   "live streams to join its step, 0-16 (default 12; 4 suits a GPU, whose step costs about the same "
+                   "for 1 stream and for 1,000)")
     s.add_argument("--drain-timeout-s", type=float, default=None, help="on SIGTERM, how long live streams run on "
                    "before they get their tail and close 1012 (default: $TIM_ENHANCER_DRAIN_TIMEOUT_S, else 10)")
     s.add_argument("--agent-port", type=int, default=None, help="TCP port of the HAProxy agent-check (free "
@@ -50,7 +53,8 @@ def cmd_serve(a) -> int:
     try:
         run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
             api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin, loop_ms=a.loop_ms,
-            drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port, step_server=a.step_server)
+            drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port, step_server=a.step_server,
+            max_batch_wait_ms=a.max_batch_wait_ms)
     except ModuleNotFoundError as e:  # installed without the [serve] extra
         raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "
                             f"'tim-enhancer[cpu,serve]' ({e})") from None
