@@ -6,7 +6,7 @@ rings of the lanes it steps to the session and takes the new rows back. On the C
 nothing; under CUDA it would move the rings (megabytes per stream) across the bus on every 16 ms
 step. Here the caches are device buffers that the step graph reads in place (bound by address: a
 lane range is a pointer and a shape), its updated states and new key/value rows stay on the device,
-and three small graphs (`enhancer.lane_graphs`) write them into the pool there. Per call only the
+and one small graph per step (`enhancer.lane_graphs`) writes them into the pool there. Per call only the
 hops, gain floors and positions go in and the enhanced hops, activity and competition come out.
 
 Same interface, same results as `LanePool` (tests/enhancer/test_device_pool.py steps both through
@@ -90,7 +90,18 @@ class DeviceLanePool:
         self.ring_names = [name for name, _ in ring_specs(cfg)]
         self._ring_lane = prod(self.rings_shape[2:])  # floats per lane in one ring
         alloc = ort.OrtValue.ortvalue_from_shape_and_type
-        self.state_buffers = [alloc((self.capacity, n), np.float32, self.device, 0) for _, _, n in self.states]
+        # every state in one flat buffer, state after state, each (capacity, L_j) (`lane_graphs`: lane_writer);
+        # the step's updated states land in `nexts` the same way, each (lanes of the call, L_j)
+        sizes = [n for _, _, n in self.states]
+        self._cum = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)  # floats of the states before
+        self._row = int(sum(sizes))  # floats of one lane's states
+        self.state_buffer = alloc((self.capacity * self._row,), np.float32, self.device, 0)
+        self.nexts = alloc((self.capacity * self._row,), np.float32, self.device, 0)
+        self._templates = {
+            "cum": np.concatenate([np.full(n, c, np.int64) for n, c in zip(sizes, self._cum)]),
+            "size": np.concatenate([np.full(n, n, np.int64) for n in sizes]),
+            "at": np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])}
+        self._templates = {k: ort.OrtValue.ortvalue_from_numpy(v, self.device, 0) for k, v in self._templates.items()}
         self.ring_buffer = alloc(self.rings_shape, np.float32, self.device, 0)
         self.pos = np.zeros(self.capacity, dtype=np.int64)
         self.free_lanes = list(range(self.capacity))
@@ -131,7 +142,7 @@ class DeviceLanePool:
         """One lane graph with its `data` input and `out` output bound to the same device memory."""
         sess = self.graphs.sessions[graph]
         io = sess.io_binding()
-        self._bind_in(io, "data" if graph != "ring_writer" else "rings", data_shape, data_ptr)
+        self._bind_in(io, "data", data_shape, data_ptr)
         for name, value in tensors.items():
             if isinstance(value, np.ndarray):
                 io.bind_cpu_input(name, value)
@@ -144,13 +155,35 @@ class DeviceLanePool:
     def _zero(self, lanes: np.ndarray) -> None:
         if lanes.size == 0:
             return
-        for (_, _, n), buf in zip(self.states, self.state_buffers):
-            self._run_in_place("zero_rows", (1, self.capacity, n), buf.data_ptr(), {"lanes": lanes})
+        base = self.state_buffer.data_ptr()
+        for (_, _, n), cum in zip(self.states, self._cum):
+            self._run_in_place("zero_rows", (1, self.capacity, n), base + 4 * self.capacity * int(cum), {"lanes": lanes})
         m = self.rings_shape[0]
         per_call = max(1, ZERO_CHUNK_BYTES // (4 * m * self._ring_lane))
         for i in range(0, lanes.size, per_call):
             self._run_in_place("zero_rows", (m, self.capacity, self._ring_lane), self.ring_buffer.data_ptr(),
                                {"lanes": lanes[i:i + per_call]})
+
+    def _write(self, kv, sel: np.ndarray, lanes: np.ndarray, slots: np.ndarray, b: int) -> None:
+        """One lane-writer call: the new key/value rows into the rings, rows `sel` of the updated
+        states (in `nexts`, `b` rows each) into lanes `lanes`, in place."""
+        sess = self.graphs.sessions["lane_writer"]
+        io = sess.io_binding()
+        ring_base, states = self.ring_buffer.data_ptr(), self.state_buffer.data_ptr()
+        self._bind_in(io, "rings", self.rings_shape, ring_base)
+        self._bind_in(io, "kv_rows", kv.shape(), kv.data_ptr())
+        self._bind_in(io, "states", (self.capacity * self._row,), states)
+        self._bind_in(io, "nexts", (b * self._row,), self.nexts.data_ptr())
+        for name, value in self._templates.items():
+            io.bind_ortvalue_input(name, value)
+        io.bind_cpu_input("sel", sel)
+        io.bind_cpu_input("lanes", lanes)
+        io.bind_cpu_input("slots", slots)
+        io.bind_cpu_input("K", np.array([b], np.int64))
+        io.bind_cpu_input("C", np.array([self.capacity], np.int64))
+        self._bind_out(io, "rings_out", self.rings_shape, ring_base)
+        self._bind_out(io, "states_out", (self.capacity * self._row,), states)
+        sess.run_with_iobinding(io)
 
     # steps
     def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
@@ -179,13 +212,19 @@ class DeviceLanePool:
         io.bind_cpu_input("hops", h)
         io.bind_cpu_input("min_gain", g)
         io.bind_cpu_input("pos", self.pos[lo:hi].copy())
-        for (name, shape, n), buf in zip(self.states, self.state_buffers):
-            self._bind_in(io, name, (b,) + shape, buf.data_ptr() + 4 * lo * n)
+        states, nexts = self.state_buffer.data_ptr(), self.nexts.data_ptr()
+        for (name, shape, n), cum in zip(self.states, self._cum):
+            self._bind_in(io, name, (b,) + shape, states + 4 * (self.capacity * int(cum) + lo * n))
         ring_base, ring_bytes = self.ring_buffer.data_ptr(), 4 * self.capacity * self._ring_lane
         for j, name in enumerate(self.ring_names):
             self._bind_in(io, name, (b,) + self.rings_shape[2:], ring_base + j * ring_bytes + 4 * lo * self._ring_lane)
+        state_of = {name + NEXT: (shape, cum) for (name, shape, _), cum in zip(self.states, self._cum)}
         for name in eng.output_names:
-            io.bind_output(name, "cpu" if name in HOST_OUTPUTS else self.device)
+            if name in state_of:  # straight into `nexts`, where the lane writer reads them
+                shape, cum = state_of[name]
+                self._bind_out(io, name, (b,) + shape, nexts + 4 * b * int(cum))
+            else:
+                io.bind_output(name, "cpu" if name in HOST_OUTPUTS else self.device)
         eng.session.run_with_iobinding(io)
         outs = dict(zip(eng.output_names, io.get_outputs()))
         sel = idx.astype(np.int64)
@@ -194,12 +233,7 @@ class DeviceLanePool:
         pos = self.pos[lanes]
         slots = ((pos[:, None] + (t - s) + np.arange(s)[None, :]) % window).astype(np.int64)
         kv = outs["kv_rows"]
-        self._run_in_place("ring_writer", self.rings_shape, ring_base,
-                           {"kv_rows": (kv.shape(), kv.data_ptr()), "sel": sel, "lanes": lanes, "slots": slots})
-        for (name, _, n), buf in zip(self.states, self.state_buffers):
-            new = outs[name + NEXT]
-            self._run_in_place("rows_writer", (self.capacity, n), buf.data_ptr(),
-                               {"rows": ((b, n), new.data_ptr()), "sel": sel, "lanes": lanes})
+        self._write(kv, sel, lanes, slots, b)
         self.pos[lanes] += t
         out = outs["out"].numpy()[sel]
         comp = outs["competition"].numpy()[sel] if "competition" in outs else None

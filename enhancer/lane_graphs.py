@@ -1,25 +1,24 @@
-"""Three small ONNX graphs that update a `DeviceLanePool`'s caches where they live (on the GPU with
+"""Two small ONNX graphs that update a `DeviceLanePool`'s caches where they live (on the GPU with
 CUDA), so that between steps only the 16 ms hops and their outputs cross the bus:
 
-- `rows_writer`: data (C, L), rows (K, L), sel (k,), lanes (k,) -> data with rows[sel] written at
-  rows `lanes` (a stream state's `_next` output into the pool);
-- `ring_writer`: rings (M, C, H, W, D), kv_rows (K, H, M * T, D), sel (k,), lanes (k,), slots (k, S)
-  -> rings with the last S of the T new rows of stream sel[i] written at lane lanes[i], slots
-  slots[i] (`enhancer.step_io.write_rings`, on the device);
+- `lane_writer`, once per step: the new key/value rows into the rings (rings (M, C, H, W, D),
+  kv_rows (K, H, M * T, D): the last S of the T new rows of step row sel[i] at lane lanes[i], slots
+  slots[i], as `enhancer.step_io.write_rings` does on the host) and the updated states into the
+  state buffer (every state in one flat buffer, see the graph's comments), for all k stepped lanes;
 - `zero_rows`: data (M, C, L), lanes (k,) -> data with rows `lanes` zeroed (a lane's reset).
 
-Each is a ScatterND whose output the pool binds to its input's memory: the update happens in place.
-The graphs hold no weights and every dimension is read from the inputs, so one file of each serves
-every model. They are built with `onnx` (`build()`, a development dependency) and shipped as files
-beside this module; `tests/enhancer/test_device_pool.py` checks that the files are what `build()`
-writes.
+Each is a scatter (ScatterND, ScatterElements) whose outputs the pool binds to its inputs' memory:
+the update happens in place. The graphs hold no weights and every dimension is read from the
+inputs, so one file of each serves every model. They are built with `onnx` (`build()`, a
+development dependency) and shipped as files in enhancer/graphs/; `tests/enhancer/test_device_pool.py`
+checks that the files are what `build()` writes.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-GRAPHS_DIR = Path(__file__).resolve().parent / "lane_graphs"
-NAMES = ("rows_writer", "ring_writer", "zero_rows")
+GRAPHS_DIR = Path(__file__).resolve().parent / "graphs"  # package data: enhancer.graphs
+NAMES = ("lane_writer", "zero_rows")
 OPSET = 17
 
 
@@ -50,16 +49,7 @@ def build() -> dict:
     vi = h.make_tensor_value_info
     graphs = {}
 
-    # rows_writer
-    graphs["rows_writer"] = model("rows_writer", [
-        h.make_node("Gather", ["rows", "sel"], ["picked"], axis=0),
-        i64("one", [1]),
-        h.make_node("Unsqueeze", ["lanes", "one"], ["index"]),
-        h.make_node("ScatterND", ["data", "index", "picked"], ["out"]),
-    ], [vi("data", f32, ["C", "L"]), vi("rows", f32, ["K", "L"]), vi("sel", i64t, ["k"]), vi("lanes", i64t, ["k"])],
-        [vi("out", f32, ["C", "L"])])
-
-    # ring_writer: updates (M, k, H, S, D) at indices (M, k, H, S, 4) = (ring, lane, head, slot)
+    # the rings: updates (M, k, H, S, D) at indices (M, k, H, S, 4) = (ring, lane, head, slot)
     nodes = [
         h.make_node("Gather", ["kv_rows", "sel"], ["picked"], axis=0),  # (k, H, M*T, D)
         h.make_node("Shape", ["rings"], ["rshape"]),  # M, C, H, W, D
@@ -97,14 +87,32 @@ def build() -> dict:
     for src in ("m4", "l4", "h4", "s4"):
         nodes.append(h.make_node("Expand", [src, "ishape"], [src + "e"]))
         nodes.append(h.make_node("Unsqueeze", [src + "e", "m1"], [src + "u"]))
-    nodes += [
-        h.make_node("Concat", ["m4u", "l4u", "h4u", "s4u"], ["index"], axis=-1),  # (M, k, H, S, 4)
-        h.make_node("ScatterND", ["rings", "index", "updates"], ["out"]),
+    nodes.append(h.make_node("Concat", ["m4u", "l4u", "h4u", "s4u"], ["index"], axis=-1))  # (M, k, H, S, 4)
+
+    # lane_writer: one call per step for the rings (the nodes above) and every state at once. The
+    # states live in one flat buffer, state after state, each (C, L_j); the step's updated states in
+    # another, each (K, L_j). Per element e of a lane's states (all states in a row: Ltot): cum[e] =
+    # sum of L_i before its state, size[e] = L_j, at[e] = its place in the row. Row sel[i] of the
+    # step goes to lane lanes[i]: from K*cum + sel*size + at to C*cum + lanes*size + at.
+    lw = list(nodes)
+    lw.append(h.make_node("ScatterND", ["rings", "index", "updates"], ["rings_out"]))
+    lw += [
+        h.make_node("Unsqueeze", ["sel", "c1"], ["sel2"]),  # (k, 1)
+        h.make_node("Unsqueeze", ["lanes", "c1"], ["lanes2"]),
+        h.make_node("Mul", ["K", "cum"], ["src0"]), h.make_node("Mul", ["C", "cum"], ["dst0"]),
+        h.make_node("Add", ["src0", "at"], ["src1"]), h.make_node("Add", ["dst0", "at"], ["dst1"]),
+        h.make_node("Mul", ["sel2", "size"], ["src2"]), h.make_node("Mul", ["lanes2", "size"], ["dst2"]),
+        h.make_node("Add", ["src2", "src1"], ["src"]), h.make_node("Add", ["dst2", "dst1"], ["dst"]),  # (k, Ltot)
+        h.make_node("Reshape", ["src", "m1"], ["src_flat"]), h.make_node("Reshape", ["dst", "m1"], ["dst_flat"]),
+        h.make_node("Gather", ["nexts", "src_flat"], ["moved"], axis=0),
+        h.make_node("ScatterElements", ["states", "dst_flat", "moved"], ["states_out"], axis=0),
     ]
-    graphs["ring_writer"] = model("ring_writer", nodes, [
+    graphs["lane_writer"] = model("lane_writer", lw, [
         vi("rings", f32, ["M", "C", "H", "W", "D"]), vi("kv_rows", f32, ["K", "H", "MT", "D"]),
-        vi("sel", i64t, ["k"]), vi("lanes", i64t, ["k"]), vi("slots", i64t, ["k", "S"])],
-        [vi("out", f32, ["M", "C", "H", "W", "D"])])
+        vi("sel", i64t, ["k"]), vi("lanes", i64t, ["k"]), vi("slots", i64t, ["k", "S"]),
+        vi("states", f32, ["CL"]), vi("nexts", f32, ["KL"]), vi("cum", i64t, ["Ltot"]), vi("size", i64t, ["Ltot"]),
+        vi("at", i64t, ["Ltot"]), vi("K", i64t, [1]), vi("C", i64t, [1])],
+        [vi("rings_out", f32, ["M", "C", "H", "W", "D"]), vi("states_out", f32, ["CL"])])
 
     # zero_rows: indices (M, k, 2) = (block, lane), updates zeros (M, k, L)
     graphs["zero_rows"] = model("zero_rows", [

@@ -346,7 +346,7 @@ def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 1
             pool.step(lanes, x, g)
             t_all.append(time.perf_counter() - t)
         calls = {"step": [], "writers": []}
-        run, place = eng.session.run_with_iobinding, pool._run_in_place
+        run, place = eng.session.run_with_iobinding, pool._write
 
         def timed_run(io, *a, _run=run, _calls=calls):
             t = time.perf_counter()
@@ -358,7 +358,7 @@ def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 1
             _place(*a)
             _calls["writers"].append(time.perf_counter() - t)
 
-        eng.session.run_with_iobinding, pool._run_in_place = timed_run, timed_place
+        eng.session.run_with_iobinding, pool._write = timed_run, timed_place
         try:
             for _ in range(steps):
                 pool.step(lanes, x, g)

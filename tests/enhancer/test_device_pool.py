@@ -4,34 +4,17 @@ with device buffers (`server/tools/gpu_check.py` repeats this comparison there).
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from enhancer import lane_graphs
 from enhancer.device_pool import DeviceLanePool, make_pool
 from enhancer.engine import LanePool
 from enhancer.errors import CheckpointError
-from enhancer.step_io import write_rings
 
 
 def test_lane_graph_files_are_what_build_writes():
     for name, proto in lane_graphs.build().items():
         assert lane_graphs.path(name).read_bytes() == proto.SerializeToString(deterministic=True), name
-
-
-@pytest.mark.parametrize("frames", [1, 3, 21])  # 21 > the window of 16: only the last 16 rows are kept
-def test_ring_writer_matches_write_rings(rng, frames):
-    sess = ort.InferenceSession(str(lane_graphs.path("ring_writer")), providers=["CPUExecutionProvider"])
-    m, c, h, w, d, k = 4, 6, 3, 16, 5, 5
-    rings = rng.standard_normal((m, c, h, w, d)).astype(np.float32)
-    kv = rng.standard_normal((k, h, m * frames, d)).astype(np.float32)
-    sel, lanes, pos = np.array([4, 0, 2]), np.array([1, 5, 2]), np.array([0, 13, 40])
-    s = min(frames, w)
-    slots = (pos[:, None] + (frames - s) + np.arange(s)) % w
-    got = sess.run(None, {"rings": rings, "kv_rows": kv, "sel": sel, "lanes": lanes, "slots": slots})[0]
-    want = rings.copy()
-    write_rings(want, kv[sel], pos, w, lanes)
-    assert np.array_equal(got, want)
 
 
 def _pools(enhancer_rt, capacity):

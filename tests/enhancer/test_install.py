@@ -57,7 +57,8 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert {"enhancer/models/tim.onnx", "server/static/index.html", "training/quickstart.json"} <= names
+    assert {"enhancer/models/tim.onnx", "server/static/index.html", "training/quickstart.json",
+            "enhancer/graphs/lane_writer.onnx", "enhancer/graphs/zero_rows.onnx"} <= names
     harness = [n for n in names if n.startswith(("server/tools/", "training/peers/"))]
     assert not harness, harness  # the test and benchmark tools run from a checkout, they are not shipped
     assert "License-Expression: MIT" in meta
