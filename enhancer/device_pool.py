@@ -16,6 +16,7 @@ only: int8 rings (`enhancer.ringquant`) exist to save CPU memory bandwidth and s
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from math import prod
@@ -28,7 +29,9 @@ from .step_io import NEXT, ring_specs, state_specs
 
 DEVICES_BY_PROVIDER = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
 HOST_OUTPUTS = ("out", "competition", "activity")  # outputs that come back to the host each call
+log = logging.getLogger("tim_enhancer")
 FORCE_ENV = "TIM_ENHANCER_DEVICE_POOL"
+FULL_STEPS_ENV = "TIM_ENHANCER_FULL_STEPS"
 ZERO_CHUNK_BYTES = 256 << 20  # a reset zeroes at most this many bytes of rings per graph call
 
 
@@ -37,13 +40,17 @@ def engine_device(engine: Engine) -> str:
     return DEVICES_BY_PROVIDER.get(engine.provider, "cpu")
 
 
-def make_pool(engine: Engine, capacity: int) -> LanePool | DeviceLanePool:
+def make_pool(engine: Engine, capacity: int, full_steps: bool | None = None) -> LanePool | DeviceLanePool:
     """The lane pool for `engine`: on a CUDA session with float rings a `DeviceLanePool` (the caches
     stay on the GPU), else a `LanePool` (numpy caches). $TIM_ENHANCER_DEVICE_POOL=1 takes the device
-    pool on the CPU provider too (a rehearsal of the GPU's code path; slower than `LanePool` there)."""
+    pool on the CPU provider too (a rehearsal of the GPU's code path; slower than `LanePool` there).
+    `full_steps` (default: $TIM_ENHANCER_FULL_STEPS=1): live steps of the whole pool through a
+    static graph, captured as a CUDA graph under CUDA (`DeviceLanePool`)."""
     wanted = engine_device(engine) == "cuda" or os.environ.get(FORCE_ENV) == "1"
     if wanted and not engine.int8_rings:
-        return DeviceLanePool(engine, capacity)
+        if full_steps is None:
+            full_steps = os.environ.get(FULL_STEPS_ENV) == "1"
+        return DeviceLanePool(engine, capacity, full_steps=full_steps)
     return LanePool(engine, capacity)
 
 
@@ -71,11 +78,68 @@ class _LaneGraphs:
         return graphs
 
 
+class _FullStep:
+    """The live step of a whole pool: a session of the step graph with its batch fixed at the pool's
+    capacity and one frame per call (onnxruntime then folds the graph's shape arithmetic and its
+    T = 1 branch into one static graph), every input and output bound once to device buffers of
+    its own or to the pool's. Under CUDA it runs as a CUDA graph (`enable_cuda_graph`): one launch
+    replays the step's thousand kernels, which is what a live step costs otherwise (it is bound by
+    launches, not by the batch). Each call steps every lane; the lane writer keeps only the lanes
+    that step."""
+
+    def __init__(self, pool: DeviceLanePool):
+        import onnxruntime as ort
+
+        from .engine import CUDA_OPTIONS
+
+        eng, c = pool.engine, pool.capacity
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        so.add_free_dimension_override_by_name("batch", c)
+        so.add_free_dimension_override_by_name("frames", 1)
+        cuda = pool.device == "cuda"
+        providers = [("CUDAExecutionProvider", CUDA_OPTIONS | {"enable_cuda_graph": "1"})] if cuda else \
+            ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(eng.path), so, providers=providers)
+        self.cuda_graph = cuda
+        alloc = ort.OrtValue.ortvalue_from_numpy
+        hop = eng.config.stft.hop
+        self.hops = alloc(np.zeros((c, 1, hop), np.float32), pool.device, 0)
+        self.gain = alloc(np.zeros(c, np.float32), pool.device, 0)
+        self.pos = alloc(np.zeros(c, np.int64), pool.device, 0)
+        self.io = self.session.io_binding()
+        self.io.bind_ortvalue_input("hops", self.hops)
+        self.io.bind_ortvalue_input("min_gain", self.gain)
+        self.io.bind_ortvalue_input("pos", self.pos)
+        pool._bind_caches(self.io, 0, c)
+        # fixed output buffers (one frame per lane); the updated states go to the pool's `nexts`
+        cfg = eng.config
+        shapes = {"out": (c, 1, hop), "activity": (c, 1),
+                  "kv_rows": (c, cfg.n_heads, 2 * cfg.n_layers, cfg.head_dim),
+                  "competition": (c, 1, cfg.n_tim_layers, cfg.n_mechanisms)}
+        self.outputs = {n: ort.OrtValue.ortvalue_from_shape_and_type(shapes[n], np.float32, pool.device, 0)
+                        for n in eng.output_names if not n.endswith(NEXT)}
+        pool._bind_outputs(self.io, c, fixed=self.outputs)
+
+    def run(self, hops: np.ndarray, gain: np.ndarray, pos: np.ndarray) -> dict:
+        """One live step of every lane: hops (C, 1, hop), gain (C,), pos (C,); the outputs' buffers."""
+        self.hops.update_inplace(hops)
+        self.gain.update_inplace(gain)
+        self.pos.update_inplace(pos)
+        self.session.run_with_iobinding(self.io)
+        return self.outputs
+
+
 class DeviceLanePool:
     """Batched per-stream state on the session's device: `capacity` lanes, each one channel of one
-    stream (the interface of `LanePool`)."""
+    stream (the interface of `LanePool`). `full_steps`: live steps (one frame) run over the whole
+    pool through `_FullStep` (a CUDA graph under CUDA); multi-frame calls as before."""
 
-    def __init__(self, engine: Engine, capacity: int):
+    def __init__(self, engine: Engine, capacity: int, full_steps: bool = False):
         import onnxruntime as ort
 
         if engine.int8_rings:
@@ -107,6 +171,13 @@ class DeviceLanePool:
         self.free_lanes = list(range(self.capacity))
         self.lock = threading.Lock()
         self._zero(np.arange(self.capacity, dtype=np.int64))  # device memory comes uninitialised
+        self.full_step, self.full_step_error = None, None
+        if full_steps:
+            try:
+                self.full_step = _FullStep(self)
+            except Exception as e:  # e.g. a node CUDA graphs cannot hold: live steps as without full_steps
+                self.full_step_error = f"{type(e).__name__}: {e}"
+                log.warning("full-pool live steps unavailable (%s); stepping lane ranges", self.full_step_error)
 
     # lanes
     def alloc(self, n: int) -> np.ndarray:
@@ -164,6 +235,32 @@ class DeviceLanePool:
             self._run_in_place("zero_rows", (m, self.capacity, self._ring_lane), self.ring_buffer.data_ptr(),
                                {"lanes": lanes[i:i + per_call]})
 
+    def _bind_caches(self, io, lo: int, hi: int) -> None:
+        """The states and rings of lanes [lo, hi) as the step's inputs, in place."""
+        b, states = hi - lo, self.state_buffer.data_ptr()
+        for (name, shape, n), cum in zip(self.states, self._cum):
+            self._bind_in(io, name, (b,) + shape, states + 4 * (self.capacity * int(cum) + lo * n))
+        ring_base, ring_bytes = self.ring_buffer.data_ptr(), 4 * self.capacity * self._ring_lane
+        for j, name in enumerate(self.ring_names):
+            self._bind_in(io, name, (b,) + self.rings_shape[2:], ring_base + j * ring_bytes + 4 * lo * self._ring_lane)
+
+    def _bind_outputs(self, io, b: int, fixed: dict | None = None) -> list[str]:
+        """The step's outputs of a call over `b` lanes, bound in the graph's order (the order of
+        `io.get_outputs()`, returned): the updated states straight into `nexts`, where the lane
+        writer reads them; the others into `fixed` buffers when given, else where onnxruntime puts
+        them (`HOST_OUTPUTS` on the host, the rest on the device)."""
+        nexts = self.nexts.data_ptr()
+        where = {name + NEXT: (shape, cum) for (name, shape, _), cum in zip(self.states, self._cum)}
+        for name in self.engine.output_names:
+            if name in where:
+                shape, cum = where[name]
+                self._bind_out(io, name, (b,) + shape, nexts + 4 * b * int(cum))
+            elif fixed is not None:
+                io.bind_ortvalue_output(name, fixed[name])
+            else:
+                io.bind_output(name, "cpu" if name in HOST_OUTPUTS else self.device)
+        return list(self.engine.output_names)
+
     def _write(self, kv, sel: np.ndarray, lanes: np.ndarray, slots: np.ndarray, b: int) -> None:
         """One lane-writer call: the new key/value rows into the rings, rows `sel` of the updated
         states (in `nexts`, `b` rows each) into lanes `lanes`, in place."""
@@ -185,6 +282,19 @@ class DeviceLanePool:
         self._bind_out(io, "states_out", (self.capacity * self._row,), states)
         sess.run_with_iobinding(io)
 
+    def _run_full(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        c, window = self.capacity, self.engine.config.attention_window
+        h = np.zeros((c, 1, hops.shape[2]), np.float32)
+        g = np.zeros(c, np.float32)
+        h[lanes], g[lanes] = hops, min_gain
+        outs = self.full_step.run(h, g, self.pos.copy())
+        slots = (self.pos[lanes] % window)[:, None].astype(np.int64)
+        self._write(outs["kv_rows"], lanes, lanes, slots, c)
+        self.pos[lanes] += 1
+        host = {name: outs[name].numpy() for name in HOST_OUTPUTS if name in outs}
+        comp = host["competition"][lanes] if "competition" in host else None
+        return StepResult(out=host["out"][lanes], competition=comp, activity=host["activity"][lanes])
+
     # steps
     def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
         """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
@@ -198,6 +308,8 @@ class DeviceLanePool:
         stepping are computed but left untouched."""
         eng = self.engine
         lanes = np.asarray(lanes, dtype=np.int64)
+        if self.full_step is not None and hops.shape[1] == 1:
+            return self._run_full(lanes, hops, min_gain)
         lo, hi = int(lanes.min()), int(lanes.max()) + 1
         idx = lanes - lo
         b = hi - lo
@@ -212,21 +324,10 @@ class DeviceLanePool:
         io.bind_cpu_input("hops", h)
         io.bind_cpu_input("min_gain", g)
         io.bind_cpu_input("pos", self.pos[lo:hi].copy())
-        states, nexts = self.state_buffer.data_ptr(), self.nexts.data_ptr()
-        for (name, shape, n), cum in zip(self.states, self._cum):
-            self._bind_in(io, name, (b,) + shape, states + 4 * (self.capacity * int(cum) + lo * n))
-        ring_base, ring_bytes = self.ring_buffer.data_ptr(), 4 * self.capacity * self._ring_lane
-        for j, name in enumerate(self.ring_names):
-            self._bind_in(io, name, (b,) + self.rings_shape[2:], ring_base + j * ring_bytes + 4 * lo * self._ring_lane)
-        state_of = {name + NEXT: (shape, cum) for (name, shape, _), cum in zip(self.states, self._cum)}
-        for name in eng.output_names:
-            if name in state_of:  # straight into `nexts`, where the lane writer reads them
-                shape, cum = state_of[name]
-                self._bind_out(io, name, (b,) + shape, nexts + 4 * b * int(cum))
-            else:
-                io.bind_output(name, "cpu" if name in HOST_OUTPUTS else self.device)
+        self._bind_caches(io, lo, hi)
+        names = self._bind_outputs(io, b)
         eng.session.run_with_iobinding(io)
-        outs = dict(zip(eng.output_names, io.get_outputs()))
+        outs = dict(zip(names, io.get_outputs()))
         sel = idx.astype(np.int64)
         window = eng.config.attention_window
         s = min(t, window)

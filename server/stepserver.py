@@ -56,7 +56,7 @@ class StepServer:
     socket path). `serve_forever` runs the rounds on the calling thread; `stop` ends it."""
 
     def __init__(self, address: str, model=None, device: str = "auto", lanes: int = 1024, threads: int = 1,
-                 gather_ms: float = GATHER_MS):
+                 gather_ms: float = GATHER_MS, full_steps: bool | None = None):
         from enhancer.device_pool import make_pool
         from enhancer.devices import check_device, providers_for
         from enhancer.runtime import Enhancer
@@ -64,7 +64,7 @@ class StepServer:
         check_device(device)
         self.enhancer = Enhancer.from_pretrained(model, providers=providers_for(device), threads=threads)
         check_device(device, self.enhancer.provider)
-        self.pool = make_pool(self.enhancer.engine, lanes)
+        self.pool = make_pool(self.enhancer.engine, lanes, full_steps=full_steps)
         self.gather_s = gather_ms / 1000.0
         self.address = str(address)
         if Path(self.address).exists():  # a socket left by a process that died
@@ -81,7 +81,8 @@ class StepServer:
     def hello(self) -> dict:
         eng = self.enhancer.engine
         return {"config": eng.config.to_dict(), "lanes": self.pool.capacity, "provider": eng.provider,
-                "model": str(eng.path), "pool": type(self.pool).__name__, "pid": os.getpid()}
+                "model": str(eng.path), "pool": type(self.pool).__name__, "pid": os.getpid(),
+                "full_steps": getattr(self.pool, "full_step", None) is not None}
 
     def _accept(self) -> None:
         while not self._stopping:
@@ -112,8 +113,8 @@ class StepServer:
             pass
 
     def serve_forever(self) -> None:
-        log.info("step server at %s: %s, %d lanes (%s)", self.address, self.enhancer.provider, self.pool.capacity,
-                 type(self.pool).__name__)
+        log.info("step server at %s: %s, %d lanes (%s%s)", self.address, self.enhancer.provider, self.pool.capacity,
+                 type(self.pool).__name__, ", full-pool live steps" if getattr(self.pool, "full_step", None) else "")
         pending: list[tuple[Connection, tuple]] = []  # calls to step in the next round
         first = 0.0  # when the first of them arrived
         expected: set[Connection] = set()  # the front-ends that stepped in the last round
@@ -308,6 +309,9 @@ def add_arguments(p, devices) -> None:
                    "this onnxruntime has it, else CPU)")
     p.add_argument("--lanes", type=int, default=1024, help="lanes of the pool (one per channel of every stream "
                    "and file of every front-end)")
+    p.add_argument("--full-steps", action="store_true", default=None, help="each round's live step covers the "
+                   "whole pool through a static graph, replayed as a CUDA graph under CUDA (one launch instead of "
+                   "a thousand; default: $TIM_ENHANCER_FULL_STEPS=1)")
     p.add_argument("--gather-ms", type=float, default=GATHER_MS, help="how long a round waits for the front-ends "
                    "that stepped in the last one (one batched step per hop for all of them)")
 
@@ -317,7 +321,7 @@ def run(a) -> int:
     import signal
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    srv = StepServer(a.address, a.model, a.device, a.lanes, gather_ms=a.gather_ms)
+    srv = StepServer(a.address, a.model, a.device, a.lanes, gather_ms=a.gather_ms, full_steps=a.full_steps)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: srv.stop())
     srv.serve_forever()

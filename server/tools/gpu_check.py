@@ -324,7 +324,7 @@ def load_test_step_server(model: Path, device: str, fronts: int, per_front: int,
     return res
 
 
-def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 100) -> dict:
+def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 100, full_steps: bool = False) -> dict:
     """Where a device-pool step's time goes: the step graph's run alone against the whole
     `DeviceLanePool.step` (the step plus the lane graphs' writes), by batch size."""
     from enhancer.device_pool import DeviceLanePool
@@ -334,7 +334,10 @@ def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 1
     eng = enh.engine
     out = {"provider": enh.provider, "batches": []}
     for b in batches:
-        pool = DeviceLanePool(eng, b)
+        pool = DeviceLanePool(eng, b, full_steps=full_steps)
+        if full_steps and pool.full_step is None:
+            out["batches"].append({"batch": b, "error": pool.full_step_error})
+            continue
         lanes = pool.alloc(b)
         x = (np.random.default_rng(0).standard_normal((b, eng.config.stft.hop)) * 0.05).astype(np.float32)
         g = np.zeros(b, np.float32)
@@ -346,7 +349,8 @@ def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 1
             pool.step(lanes, x, g)
             t_all.append(time.perf_counter() - t)
         calls = {"step": [], "writers": []}
-        run, place = eng.session.run_with_iobinding, pool._write
+        sess = pool.full_step.session if pool.full_step is not None else eng.session
+        run, place = sess.run_with_iobinding, pool._write
 
         def timed_run(io, *a, _run=run, _calls=calls):
             t = time.perf_counter()
@@ -358,12 +362,12 @@ def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 1
             _place(*a)
             _calls["writers"].append(time.perf_counter() - t)
 
-        eng.session.run_with_iobinding, pool._write = timed_run, timed_place
+        sess.run_with_iobinding, pool._write = timed_run, timed_place
         try:
             for _ in range(steps):
                 pool.step(lanes, x, g)
         finally:
-            del eng.session.run_with_iobinding
+            del sess.run_with_iobinding
         n_writers = len(calls["writers"]) // steps
         out["batches"].append({
             "batch": b, "pool_step_p50_ms": 1000 * float(np.median(t_all)), "pool_step_p99_ms": 1000 * float(np.percentile(t_all, 99)),
@@ -387,17 +391,21 @@ def summary(report: dict) -> str:
         lines.append(f"parity {name}: file rel {p['file_parity']['max_rel_diff']:.2e} ({p['file_parity']['snr_db']:.1f} dB); "
                      f"{p['streams']} streams worst rel {p['worst_stream_max_rel_diff']:.2e} "
                      f"({p['worst_stream_snr_db']:.1f} dB) [{p['tolerance']}]: {'ok' if p['ok'] else 'FAIL'} ({p['pool']})")
-    for name, b in report.get("bench", {}).items():
+    benches = [(k, n, b) for k in ("bench", "bench_full") for n, b in report.get(k, {}).items()]
+    for kind, name, b in benches:
         if "error" in b:
-            lines.append(f"bench {name}: ERROR {b['error'][-300:]}")
+            lines.append(f"{kind} {name}: ERROR {b['error'][-300:]}")
             continue
-        lines.append(f"bench {name} ({b['provider']}): " + "; ".join(
+        lines.append(f"{kind} {name} ({b['provider']}): " + "; ".join(
             f"b{s['batch']} {s['p50_ms']:.2f}/{s['p99_ms']:.2f}" for s in b["step"])
             + f" ms p50/p99; streams in real time {b['streams_per_core']}; offline RTF {b['offline_rtf']:.4f}")
-    prof = report.get("profile", {})
-    for row in prof.get("batches", []):
-        lines.append(f"profile b{row['batch']}: pool step p50 {row['pool_step_p50_ms']:.2f} ms = graph run "
-                     f"{row['graph_run_p50_ms']:.2f} + {row['writers_per_step']} lane-graph writes "
+    rows = [(k, r) for k in ("profile", "profile_full") for r in report.get(k, {}).get("batches", [])]
+    for kind, row in rows:
+        if "error" in row:
+            lines.append(f"{kind} b{row['batch']}: ERROR {row['error'][-300:]}")
+            continue
+        lines.append(f"{kind} b{row['batch']}: pool step p50 {row['pool_step_p50_ms']:.2f} ms = graph run "
+                     f"{row['graph_run_p50_ms']:.2f} + {row['writers_per_step']} lane-writer call(s) "
                      f"{row['writers_p50_ms_per_step']:.2f} + the rest")
     for key, m in report.get("load_servers", {}).items():
         if "error" in m:
@@ -443,6 +451,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-wait-ms", type=float, default=12.0, help="--servers: the servers' max_batch_wait_ms")
     p.add_argument("--step-server", default="", metavar="NxS,...", help="also: load tests with one step server on "
                    "the device and N service processes stepping through it, S live streams each (e.g. 4x32,6x48)")
+    p.add_argument("--full-steps", action="store_true", help="also profile and bench full-pool live steps (a CUDA "
+                   "graph under CUDA); the step-server load tests after it use them too")
     p.add_argument("--quick", action="store_true", help="small sizes (a rehearsal on the CPU)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated (info, parity, bench, load)")
     a = p.parse_args(argv)
@@ -489,6 +499,12 @@ def main(argv=None) -> int:
         stage("load_test", None, load_test, models[0], a.device, levels, a.clients, a.seconds)
     if "profile" not in skip:
         stage("profile", None, profile_step, models[0], a.device, (1, 4) if a.quick else (1, 64, 1024), 30 if a.quick else 100)
+    if a.full_steps:  # the same with full-pool live steps (a CUDA graph under CUDA), then the bench with them
+        stage("profile_full", None, profile_step, models[0], a.device, (4, 8) if a.quick else (64, 256, 1024),
+              30 if a.quick else 100, True)
+        os.environ["TIM_ENHANCER_FULL_STEPS"] = "1"  # the bench's and the step server's pools
+        if "bench" not in skip:
+            stage("bench_full", models[0].name, bench, models[0], a.device, a.batches, a.steps)
     for spec in [x for x in a.step_server.split(",") if x]:
         fronts, per = (int(v) for v in spec.lower().split("x"))
         stage("load_step_server", spec, load_test_step_server, models[0], a.device, fronts, per, a.seconds,
