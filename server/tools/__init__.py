@@ -5,6 +5,8 @@ package, not in the image):
     python -m server.tools.soak       a long load run with RSS / descriptor sampling and connect cycles
     python -m server.tools.fuzz       hypothesis uploads and websocket sessions, schemathesis on the API
     python -m server.tools.audit      known vulnerabilities of the serving dependency closure
+    python -m server.tools.gpu_check  the model and the service under CUDA, measured (make gpu-check)
+    python -m server.tools.gpu_carry  what gpu_check needs on a GPU machine without a package index
 
 Helpers: `launch` (a server process on a free loopback port), `rawws` (a websocket client that can
 send what no library would), `fuzz_cases` (the fuzzing strategies), `machine_stalls` (whether

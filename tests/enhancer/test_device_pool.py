@@ -17,16 +17,19 @@ def test_lane_graph_files_are_what_build_writes():
         assert lane_graphs.path(name).read_bytes() == proto.SerializeToString(deterministic=True), name
 
 
-def _pools(enhancer_rt, capacity):
-    return LanePool(enhancer_rt.engine, capacity), DeviceLanePool(enhancer_rt.engine, capacity)
+def _pools(enhancer_rt, capacity, full_steps=False):
+    return LanePool(enhancer_rt.engine, capacity), DeviceLanePool(enhancer_rt.engine, capacity, full_steps=full_steps)
 
 
-def test_device_pool_matches_lane_pool(enhancer_rt, rng):
+@pytest.mark.parametrize("full_steps", [False, True])
+def test_device_pool_matches_lane_pool(enhancer_rt, rng, full_steps):
     """Live steps and multi-frame calls, lane subsets with gaps, a lane freed and reused mid-way:
-    every output equal (the same session computes both)."""
+    every output equal (the same graph computes both; with `full_steps` the live steps run over the
+    whole pool in a static session of it)."""
     cfg = enhancer_rt.config
     hop = cfg.stft.hop
-    host, dev = _pools(enhancer_rt, 6)
+    host, dev = _pools(enhancer_rt, 6, full_steps)
+    assert (dev.full_step is not None) == full_steps
     lanes_h, lanes_d = host.alloc(5), dev.alloc(5)
     assert np.array_equal(lanes_h, lanes_d)
     calls = [(np.arange(5), 1)] * 3 + [(np.array([0, 2, 4]), 1), (np.array([1, 3]), 4), (np.arange(5), 19),
@@ -63,8 +66,12 @@ def test_device_pool_reset_gives_a_fresh_stream(enhancer_rt, rng):
     assert np.abs(got - want).max() <= 1e-5 * max(float(np.abs(want).max()), 1e-6)
 
 
-def test_make_pool_keeps_the_cpu_on_lane_pool(enhancer_rt):
+def test_make_pool_keeps_the_cpu_on_lane_pool(enhancer_rt, monkeypatch):
     assert type(make_pool(enhancer_rt.engine, 2)) is LanePool
+    monkeypatch.setenv("TIM_ENHANCER_DEVICE_POOL", "1")
+    monkeypatch.setenv("TIM_ENHANCER_FULL_STEPS", "1")
+    pool = make_pool(enhancer_rt.engine, 2)
+    assert type(pool) is DeviceLanePool and pool.full_step is not None
 
 
 def test_device_pool_refuses_int8_rings(enhancer_rt, monkeypatch):
