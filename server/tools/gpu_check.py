@@ -122,7 +122,9 @@ def parity(model: Path, device: str, streams: int = 8) -> dict:
     rng = np.random.default_rng(0)
     signals = [np.roll(x, 1601 * i) * (0.5 + 0.1 * i) * (1 if i % 2 else -1) for i in range(streams)]
     pool = make_pool(dev.engine, streams)
-    res["pool"] = type(pool).__name__
+    res["pool"] = type(pool).__name__ + (" (full-pool live steps)" if getattr(pool, "full_step", None) else "")
+    if getattr(pool, "full_step_error", None):
+        res["full_step_error"] = pool.full_step_error
     live = [dev.stream(sr, pool=pool) for _ in range(streams)]
     outs: list[list[np.ndarray]] = [[] for _ in range(streams)]
     pos = [0] * streams
@@ -384,11 +386,12 @@ def summary(report: dict) -> str:
     for name, i in report.get("info", {}).items():
         lines.append(f"info {name}: provider {i.get('provider')}, stream state {i.get('stream_state')}, "
                      f"weights {i.get('weights')}, rings {i.get('rings')} {i.get('error', '')}")
-    for name, p in report.get("parity", {}).items():
+    parities = [(f"{k} {n}", p) for k in ("parity", "parity_full") for n, p in report.get(k, {}).items()]
+    for name, p in parities:
         if "error" in p:
-            lines.append(f"parity {name}: ERROR {p['error'][-300:]}")
+            lines.append(f"{name}: ERROR {p['error'][-300:]}")
             continue
-        lines.append(f"parity {name}: file rel {p['file_parity']['max_rel_diff']:.2e} ({p['file_parity']['snr_db']:.1f} dB); "
+        lines.append(f"{name}: file rel {p['file_parity']['max_rel_diff']:.2e} ({p['file_parity']['snr_db']:.1f} dB); "
                      f"{p['streams']} streams worst rel {p['worst_stream_max_rel_diff']:.2e} "
                      f"({p['worst_stream_snr_db']:.1f} dB) [{p['tolerance']}]: {'ok' if p['ok'] else 'FAIL'} ({p['pool']})")
     benches = [(k, n, b) for k in ("bench", "bench_full") for n, b in report.get(k, {}).items()]
@@ -454,7 +457,8 @@ def main(argv=None) -> int:
     p.add_argument("--full-steps", action="store_true", help="also profile and bench full-pool live steps (a CUDA "
                    "graph under CUDA); the step-server load tests after it use them too")
     p.add_argument("--quick", action="store_true", help="small sizes (a rehearsal on the CPU)")
-    p.add_argument("--skip", default="", help="stages to skip, comma-separated (info, parity, bench, load)")
+    p.add_argument("--skip", default="", help="stages to skip, comma-separated (info, parity, bench, load, profile; "
+                   "with --full-steps also parity_full, bench_full)")
     a = p.parse_args(argv)
     if a.quick:
         a.batches, a.steps, a.load_streams, a.clients, a.seconds = "1,4", 30, "2,4", 2, 3.0
@@ -499,11 +503,13 @@ def main(argv=None) -> int:
         stage("load_test", None, load_test, models[0], a.device, levels, a.clients, a.seconds)
     if "profile" not in skip:
         stage("profile", None, profile_step, models[0], a.device, (1, 4) if a.quick else (1, 64, 1024), 30 if a.quick else 100)
-    if a.full_steps:  # the same with full-pool live steps (a CUDA graph under CUDA), then the bench with them
+    if a.full_steps:  # the same with full-pool live steps (a CUDA graph under CUDA): parity, profile, bench
+        os.environ["TIM_ENHANCER_FULL_STEPS"] = "1"  # every pool from here on: parity's, the bench's, the step server's
+        if "parity_full" not in skip:
+            stage("parity_full", models[0].name, parity, models[0], a.device)
         stage("profile_full", None, profile_step, models[0], a.device, (4, 8) if a.quick else (64, 256, 1024),
               30 if a.quick else 100, True)
-        os.environ["TIM_ENHANCER_FULL_STEPS"] = "1"  # the bench's and the step server's pools
-        if "bench" not in skip:
+        if "bench_full" not in skip:
             stage("bench_full", models[0].name, bench, models[0], a.device, a.batches, a.steps)
     for spec in [x for x in a.step_server.split(",") if x]:
         fronts, per = (int(v) for v in spec.lower().split("x"))
