@@ -186,7 +186,8 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        return bool(self.workers) and all(w.is_alive() for w in self.workers)
+        """Workers running and, with a step server, reachable from each of them."""
+        return bool(self.workers) and all(w.is_alive() and getattr(w.pool, "connected", True) for w in self.workers)
 
     @property
     def enhancer(self) -> Enhancer:

@@ -146,6 +146,8 @@ class StepServer:
                 if (expected & set(self.owned)) <= submitted or time.perf_counter() >= first + self.gather_s:
                     self.round(pending)
                     expected, pending = submitted, []
+        for conn in list(self.owned):  # stopped: the front-ends see the connection end
+            self._drop(conn)
 
     def round(self, requests: list[tuple[Connection, tuple]]) -> None:
         """Answer one round of requests: lane bookkeeping first, then every live step in one batched
@@ -227,31 +229,95 @@ class StepServerError(RuntimeError):
 class RemoteLanePool:
     """`LanePool`'s interface over a step server: `capacity` lanes of this front-end (the step
     server hands out the lanes themselves); `engine` is the front-end's local copy of the model
-    (its config; it never steps). One caller at a time (a worker's thread)."""
+    (its config; it never steps). One caller at a time (a worker's thread), but `connected` may be
+    asked from any thread.
+
+    When the connection breaks (the step server restarted, say), the call fails, and so does every
+    later call on the lanes held then: their state went with the connection, and their streams end
+    with an error. The next call reconnects (at most once a second); `connected` tries too, so that
+    an idle front-end's readiness (`/readyz`) follows the step server. `free` never fails."""
+
+    RECONNECT_S = 1.0
 
     def __init__(self, address: str, capacity: int, engine):
         self.address, self.capacity, self.engine = str(address), int(capacity), engine
+        self._lock = threading.Lock()
+        self.conn: Connection | None = None
+        self._lanes: set[int] = set()  # lanes held on the present connection
+        self._next_try = 0.0
+        self.info: dict = {}
+        with self._lock:
+            self._connect()
+
+    def _connect(self) -> None:
+        """(Re)connect and check the model (the lock held); StepServerError if it fails."""
+        self._next_try = time.monotonic() + self.RECONNECT_S
         try:
-            self.conn = Client(self.address, family="AF_UNIX", authkey=_authkey())
+            conn = Client(self.address, family="AF_UNIX", authkey=_authkey())
+            conn.send(("hello",))
+            reply = conn.recv()
         except (OSError, EOFError) as e:
             raise StepServerError(f"cannot reach the step server at {self.address}: {e}") from None
-        self._lock = threading.Lock()
-        self.owned = 0
-        self.info = self._call("hello")[0]
-        if self.info["config"] != engine.config.to_dict():
-            raise StepServerError(f"the step server at {self.address} runs another model ({self.info['model']}) "
-                                  f"than this front-end ({engine.path}): serve the same file")
+        if reply[0] != "ok":
+            conn.close()
+            raise StepServerError(f"step server: {reply[1]}")
+        if reply[1]["config"] != self.engine.config.to_dict():
+            conn.close()
+            raise StepServerError(f"the step server at {self.address} runs another model ({reply[1]['model']}) "
+                                  f"than this front-end ({self.engine.path}): serve the same file")
+        self.conn, self.info, self._lanes = conn, reply[1], set()
+
+    def _broken(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+        self.conn, self._lanes = None, set()
+
+    @property
+    def connected(self) -> bool:
+        """Whether the step server answers (reconnecting if the connection broke, at most once a second)."""
+        with self._lock:
+            try:  # between calls nothing is due: something readable is the step server closing
+                if self.conn is not None and self.conn.poll(0):
+                    self._broken()
+            except (OSError, EOFError):
+                self._broken()
+            if self.conn is None and time.monotonic() >= self._next_try:
+                try:
+                    self._connect()
+                except StepServerError:
+                    pass
+            return self.conn is not None
 
     def _call(self, *msg) -> tuple:
         with self._lock:
+            if self.conn is None:
+                if time.monotonic() < self._next_try:
+                    raise StepServerError(f"the step server at {self.address} is not connected")
+                self._connect()
             try:
                 self.conn.send(msg)
                 reply = self.conn.recv()
             except (OSError, EOFError) as e:
+                self._broken()
                 raise StepServerError(f"the step server at {self.address} went away ({type(e).__name__})") from None
         if reply[0] != "ok":
             raise StepServerError(f"step server: {reply[1]}")
         return reply[1:]
+
+    def _held(self, lanes) -> list[int]:
+        lanes = [int(x) for x in lanes]
+        foreign = set(lanes) - self._lanes
+        if foreign:
+            raise StepServerError(f"lanes {sorted(foreign)[:8]} are not this front-end's (a stream's lanes go with "
+                                  "a broken connection to the step server; it must start again)")
+        return lanes
+
+    @property
+    def owned(self) -> int:
+        return len(self._lanes)
 
     @property
     def n_free(self) -> int:
@@ -261,16 +327,21 @@ class RemoteLanePool:
         if n > self.n_free:
             raise RuntimeError(f"no free lanes: {n} requested, {self.n_free} free of {self.capacity}")
         lanes = self._call("alloc", int(n))[0]
-        self.owned += len(lanes)
+        self._lanes.update(int(x) for x in lanes)
         return lanes
 
     def free(self, lanes) -> None:
-        lanes = [int(x) for x in lanes]
-        self._call("free", lanes)
-        self.owned -= len(lanes)
+        held = [int(x) for x in lanes if int(x) in self._lanes]
+        if not held:
+            return  # lanes of a broken connection: the step server freed them when it ended
+        self._lanes.difference_update(held)
+        try:
+            self._call("free", held)
+        except StepServerError as e:  # the connection broke: the step server frees them itself
+            log.warning("freeing %d lane(s) on the step server failed: %s", len(held), e)
 
     def reset(self, lanes) -> None:
-        self._call("reset", [int(x) for x in lanes])
+        self._call("reset", self._held(lanes))
 
     def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
         r = self.run(lanes, hops[:, None], min_gain)
@@ -278,16 +349,15 @@ class RemoteLanePool:
         return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
 
     def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        self._held(lanes)
         out, comp, activity = self._call("run", np.asarray(lanes, dtype=np.int64),
                                          np.ascontiguousarray(hops, dtype=np.float32),
                                          np.ascontiguousarray(min_gain, dtype=np.float32))
         return StepResult(out=out, competition=comp, activity=activity)
 
     def close(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        with self._lock:
+            self._broken()
 
 
 def main(argv=None) -> int:

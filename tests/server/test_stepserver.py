@@ -4,7 +4,9 @@ services stepping through one step server each stream correctly (on the CPU prov
 from __future__ import annotations
 
 import threading
+import time
 
+import httpx
 import numpy as np
 import pytest
 
@@ -72,16 +74,17 @@ def test_lanes_are_each_front_ends_own(step_server, enhancer_rt):
     hop = enhancer_rt.config.stft.hop
     with pytest.raises(StepServerError, match="not this front-end's"):
         b.step(la, np.zeros((2, hop), np.float32), np.zeros(2, np.float32))
-    with pytest.raises(StepServerError, match="not this front-end's"):
-        b.free(la)
+    free_before = step_server.pool.n_free
+    b.free(la)  # not b's: ignored, a's lanes stay allocated
+    assert step_server.pool.n_free == free_before and a.owned == 2
+    with pytest.raises(StepServerError, match="not this front-end's"):  # the step server checks too
+        b._call("free", [int(x) for x in la])
     with pytest.raises(RuntimeError, match="no free lanes"):
         b.alloc(4)  # its own capacity: 4, one in use
     assert b.step(lb, np.zeros((1, hop), np.float32), np.zeros(1, np.float32)).out.shape == (1, hop)
 
 
 def test_a_disconnected_front_end_gives_its_lanes_back(step_server, enhancer_rt):
-    import time
-
     c = RemoteLanePool(step_server.address, 6, enhancer_rt.engine)
     c.alloc(5)
     assert step_server.pool.n_free == 7
@@ -125,6 +128,49 @@ def test_two_services_stream_through_one_step_server(step_server, model_path, en
             t.join()
         for x, y in zip(signals, results):
             assert_close_to_peak(y[:, 0], enhancer_rt.enhance(x[:, 0], 16000))
+        assert all(httpx.get(f.base + "/readyz").status_code == 200 for f in fronts)
+        step_server.stop()  # the front-ends are no longer ready (and say so to the load balancer)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(httpx.get(f.base + "/readyz").status_code != 503 for f in fronts):
+            time.sleep(0.1)
+        assert all(httpx.get(f.base + "/readyz").status_code == 503 for f in fronts)
     finally:
         for f in fronts:
             f.stop()
+
+
+def test_a_front_end_outlives_a_step_server_restart(model_path, tmp_path, enhancer_rt, monkeypatch):
+    """The step server goes away: the call in flight fails, the stream's lanes are gone (its next
+    call fails too), freeing them does not fail, `connected` is False; once a step server answers
+    at the address again, the front-end reconnects and new streams step."""
+    address = str(tmp_path / "restart.sock")
+    hop = enhancer_rt.config.stft.hop
+    x, g = np.zeros((1, hop), np.float32), np.zeros(1, np.float32)
+
+    def start():
+        srv = StepServer(address, model_path, device="cpu", lanes=4)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        return srv, t
+
+    monkeypatch.setattr(RemoteLanePool, "RECONNECT_S", 0.0)  # reconnect at once (default: at most once a second)
+    srv, t = start()
+    pool = RemoteLanePool(address, 2, enhancer_rt.engine)
+    lanes = pool.alloc(1)
+    pool.step(lanes, x, g)
+    srv.stop()
+    t.join(timeout=5)
+    with pytest.raises(StepServerError, match="went away|cannot reach"):
+        pool.step(lanes, x, g)
+    assert not pool.connected
+    pool.free(lanes)  # never raises
+    srv, t = start()
+    try:
+        assert pool.connected and pool.owned == 0
+        with pytest.raises(StepServerError, match="not this front-end's"):
+            pool.step(lanes if lanes[0] != 0 else lanes + 1, x, g)  # lanes of the old connection
+        fresh = pool.alloc(1)
+        assert pool.step(fresh, x, g).out.shape == (1, hop)
+    finally:
+        srv.stop()
+        t.join(timeout=5)
