@@ -44,6 +44,7 @@ POLL_S = 0.05  # the round loop wakes at least this often (new connections, stop
 # call: one batched step per hop for every front-end, not one per front-end (each would wait for the
 # others' steps).
 GATHER_MS = 4.0
+REPORT_S = 10.0  # the log reports the rounds this often
 
 
 def _authkey() -> bytes | None:
@@ -76,6 +77,7 @@ class StepServer:
         self._stopping = False
         self.rounds = 0
         self.batched_lanes = 0
+        self._window: list[tuple[int, float]] = []  # (calls, seconds) of the rounds since the last report
         threading.Thread(target=self._accept, name="step-server-accept", daemon=True).start()
 
     def hello(self) -> dict:
@@ -115,6 +117,7 @@ class StepServer:
     def serve_forever(self) -> None:
         log.info("step server at %s: %s, %d lanes (%s%s)", self.address, self.enhancer.provider, self.pool.capacity,
                  type(self.pool).__name__, ", full-pool live steps" if getattr(self.pool, "full_step", None) else "")
+        next_report = time.monotonic() + REPORT_S
         pending: list[tuple[Connection, tuple]] = []  # calls to step in the next round
         first = 0.0  # when the first of them arrived
         expected: set[Connection] = set()  # the front-ends that stepped in the last round
@@ -144,10 +147,25 @@ class StepServer:
             if pending:
                 submitted = {c for c, _ in pending}
                 if (expected & set(self.owned)) <= submitted or time.perf_counter() >= first + self.gather_s:
+                    t0 = time.perf_counter()
                     self.round(pending)
+                    self._window.append((len(pending), time.perf_counter() - t0))
                     expected, pending = submitted, []
+            if time.monotonic() >= next_report:
+                self._report()
+                next_report = time.monotonic() + REPORT_S
         for conn in list(self.owned):  # stopped: the front-ends see the connection end
             self._drop(conn)
+
+    def _report(self) -> None:
+        """Every REPORT_S: rounds, calls per round and round time since the last report (the log)."""
+        window, self._window = self._window, []
+        if not window:
+            return
+        ms = sorted(1000 * t for _, t in window)
+        log.info("%d rounds in %g s: %.1f calls per round, round p50 %.1f ms, max %.1f ms; %d front-end(s), "
+                 "%d of %d lanes in use", len(window), REPORT_S, sum(n for n, _ in window) / len(window),
+                 ms[len(ms) // 2], ms[-1], len(self.owned), self.pool.capacity - self.pool.n_free, self.pool.capacity)
 
     def round(self, requests: list[tuple[Connection, tuple]]) -> None:
         """Answer one round of requests: lane bookkeeping first, then every live step in one batched
