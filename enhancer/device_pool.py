@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from math import prod
 
 import numpy as np
 
-from .engine import Engine, LanePool, StepResult
+from .engine import Engine, LanePool, Lanes, StepResult
 from .errors import CheckpointError
 from .step_io import NEXT, ring_specs, state_specs
 
@@ -134,7 +133,7 @@ class _FullStep:
         return self.outputs
 
 
-class DeviceLanePool:
+class DeviceLanePool(Lanes):
     """Batched per-stream state on the session's device: `capacity` lanes, each one channel of one
     stream (the interface of `LanePool`). `full_steps`: live steps (one frame) run over the whole
     pool through `_FullStep` (a CUDA graph under CUDA); multi-frame calls as before."""
@@ -168,8 +167,7 @@ class DeviceLanePool:
         self._templates = {k: ort.OrtValue.ortvalue_from_numpy(v, self.device, 0) for k, v in self._templates.items()}
         self.ring_buffer = alloc(self.rings_shape, np.float32, self.device, 0)
         self.pos = np.zeros(self.capacity, dtype=np.int64)
-        self.free_lanes = list(range(self.capacity))
-        self.lock = threading.Lock()
+        self._init_lanes()
         self._zero(np.arange(self.capacity, dtype=np.int64))  # device memory comes uninitialised
         self.full_step, self.full_step_error = None, None
         if full_steps:
@@ -178,25 +176,6 @@ class DeviceLanePool:
             except Exception as e:  # e.g. a node CUDA graphs cannot hold: live steps as without full_steps
                 self.full_step_error = f"{type(e).__name__}: {e}"
                 log.warning("full-pool live steps unavailable (%s); stepping lane ranges", self.full_step_error)
-
-    # lanes
-    def alloc(self, n: int) -> np.ndarray:
-        with self.lock:
-            if n > len(self.free_lanes):
-                raise RuntimeError(f"no free lanes: {n} requested, {len(self.free_lanes)} free of {self.capacity}")
-            self.free_lanes.sort()
-            lanes, self.free_lanes = self.free_lanes[:n], self.free_lanes[n:]
-        lanes = np.array(lanes, dtype=np.int64)
-        self.reset(lanes)
-        return lanes
-
-    def free(self, lanes) -> None:
-        with self.lock:
-            self.free_lanes.extend(int(x) for x in lanes)
-
-    @property
-    def n_free(self) -> int:
-        return len(self.free_lanes)
 
     def reset(self, lanes: np.ndarray) -> None:
         self._zero(np.asarray(lanes, dtype=np.int64))

@@ -177,21 +177,14 @@ class Engine:
         return StepOutputs.decode(self.config, values, self.output_names)
 
 
-class LanePool:
-    """Batched per-stream state: `capacity` lanes, each one channel of one stream."""
+class Lanes:
+    """Which of a pool's `capacity` lanes are free (the lowest first); `alloc` resets the lanes it
+    hands out (`reset`, the pool's). A subclass sets `capacity` and calls `_init_lanes`."""
 
-    def __init__(self, engine: Engine, capacity: int):
-        self.engine, self.capacity = engine, capacity
-        cfg = engine.config
-        states = init_states(cfg, capacity)
-        # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
-        # are written with one assignment; each ring, and each lane range of it, is a contiguous view
-        # (np.zeros: pages of lanes never used are never touched, so they cost no memory)
-        self.rings = init_rings(cfg, capacity, np.int8 if engine.int8_rings else np.float32)
-        self.n_state = len(states)
-        self.caches = states + ring_views(self.rings, engine.int8_rings)
-        self.pos = np.zeros(capacity, dtype=np.int64)
-        self.free_lanes = list(range(capacity))
+    capacity: int
+
+    def _init_lanes(self) -> None:
+        self.free_lanes = list(range(self.capacity))
         self.lock = threading.Lock()
 
     def alloc(self, n: int) -> np.ndarray:
@@ -211,6 +204,26 @@ class LanePool:
     @property
     def n_free(self) -> int:
         return len(self.free_lanes)
+
+    def reset(self, lanes: np.ndarray) -> None:
+        raise NotImplementedError
+
+
+class LanePool(Lanes):
+    """Batched per-stream state: `capacity` lanes, each one channel of one stream."""
+
+    def __init__(self, engine: Engine, capacity: int):
+        self.engine, self.capacity = engine, capacity
+        cfg = engine.config
+        states = init_states(cfg, capacity)
+        # the key/value rings live in one array (2N, capacity, H, W, dh), so that one step's new rows
+        # are written with one assignment; each ring, and each lane range of it, is a contiguous view
+        # (np.zeros: pages of lanes never used are never touched, so they cost no memory)
+        self.rings = init_rings(cfg, capacity, np.int8 if engine.int8_rings else np.float32)
+        self.n_state = len(states)
+        self.caches = states + ring_views(self.rings, engine.int8_rings)
+        self.pos = np.zeros(capacity, dtype=np.int64)
+        self._init_lanes()
 
     def reset(self, lanes: np.ndarray) -> None:
         for c in self.caches:

@@ -222,42 +222,36 @@ def load_test_servers(model: Path, device: str, servers: int, max_streams: int, 
             srv.wait_ready(timeout=240)
         res = {"servers": servers, "max_streams": max_streams, "offer": offer, "seconds": seconds,
                "max_batch_wait_ms": batch_wait_ms, "start_s": round(time.perf_counter() - t0, 1)}
-        gens = [subprocess.Popen([sys.executable, "-m", "server.tools.loadtest", "--url", srv.ws_url, "--server-pid",
-                                  str(srv.pid), "--overload", str(offer), "--seconds", str(seconds), "--file", str(FILE),
-                                  "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for srv in procs]
-        parts = []
-        for g in gens:
-            out, err = g.communicate(timeout=seconds + 180)
-            line = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
-            parts.append(json.loads(line) if line else {"error": err.strip()[-1500:], "rc": g.returncode})
+        parts = _generators(procs, ["--overload", str(offer)], seconds)
     finally:
         for srv in procs:
             srv.stop()
-    good = [q for q in parts if "admitted" in q]
-    res["per_server"] = [{k: q.get(k) for k in ("capacity", "offered", "admitted", "refused", "refused_1013_with_capacity",
-                                                "messages", "late", "late_other", "latency_p50_ms", "latency_p99_ms",
-                                                "latency_max_ms", "server_cpu_pct", "mean_batch", "mean_step_ms",
-                                                "server_late_hops", "complete", "healthy", "error")} for q in parts]
-    res.update({
-        "capacity": sum(q.get("capacity") or 0 for q in good), "offered": sum(q["offered"] for q in good),
-        "admitted": sum(q["admitted"] for q in good), "refused": sum(q["refused"] for q in good),
-        "messages": sum(q["messages"] for q in good), "late": sum(q["late"] for q in good),
-        "late_other": sum(q.get("late_other", 0) for q in good),
-        "latency_p50_ms_median": float(np.median([q["latency_p50_ms"] for q in good if q["latency_p50_ms"]])) if good else None,
-        "latency_p99_ms_worst": max((q["latency_p99_ms"] or 0 for q in good), default=None),
-        "ok": len(good) == len(parts) and all(q.get("complete") and q.get("healthy") for q in good),
-    })
+    res.update(_aggregate(parts))
     print(f"load test, {servers} server(s): capacity {res['capacity']}, admitted {res['admitted']} of {res['offered']}, "
           f"late {res['late']} ({res['late_other']} apart from stalls) of {res['messages']}, p50 "
           f"{res['latency_p50_ms_median']} ms, worst p99 {res['latency_p99_ms_worst']} ms", flush=True)
     return res
 
 
+def _generators(procs: list, args: list[str], seconds: float) -> list[dict]:
+    """One load generator process per server process (`args`: how many streams), at once; their
+    JSON results, or {"error": ...} for one that gave none."""
+    gens = [subprocess.Popen([sys.executable, "-m", "server.tools.loadtest", "--url", srv.ws_url, "--server-pid",
+                              str(srv.pid), *args, "--seconds", str(seconds), "--file", str(FILE), "--json"],
+                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for srv in procs]
+    parts = []
+    for g in gens:
+        out, err = g.communicate(timeout=seconds + 180)
+        line = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
+        parts.append(json.loads(line) if line else {"error": err.strip()[-1500:], "rc": g.returncode})
+    return parts
+
+
 def _aggregate(parts: list[dict]) -> dict:
     good = [q for q in parts if "admitted" in q]
     return {
-        "per_process": [{k: q.get(k) for k in ("capacity", "offered", "admitted", "refused", "messages", "late",
+        "per_process": [{k: q.get(k) for k in ("capacity", "offered", "admitted", "refused", "refused_1013_with_capacity",
+                                               "messages", "late",
                                                "late_other", "latency_p50_ms", "latency_p99_ms", "latency_max_ms",
                                                "server_cpu_pct", "client_cpu_pct", "mean_batch", "mean_step_ms",
                                                "server_late_hops", "complete", "healthy", "error")} for q in parts],
@@ -301,16 +295,7 @@ def load_test_step_server(model: Path, device: str, fronts: int, per_front: int,
         for srv in procs:
             srv.wait_ready(timeout=240)
         res["start_s"] = round(time.perf_counter() - t0, 1)
-        gens = [subprocess.Popen([sys.executable, "-m", "server.tools.loadtest", "--url", srv.ws_url, "--server-pid",
-                                  str(srv.pid), "--streams", str(per_front), "--seconds", str(seconds), "--file",
-                                  str(FILE), "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for srv in procs]
-        parts = []
-        for g in gens:
-            out, err = g.communicate(timeout=seconds + 180)
-            line = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
-            parts.append(json.loads(line) if line else {"error": err.strip()[-1500:], "rc": g.returncode})
-        res.update(_aggregate(parts))
+        res.update(_aggregate(_generators(procs, ["--streams", str(per_front)], seconds)))
     finally:
         for srv in procs:
             srv.stop()
