@@ -164,6 +164,8 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
         best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
         res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
         gpu = res["device"] == "cuda"
+        if gpu:
+            res["streams_per_gpu"] = res["streams_per_core"]  # the same search: one GPU, not one core
         res["cores"] = cores
         res["suggested_workers"] = 1 if gpu else cores  # one worker drives the GPU
         res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * (1 if gpu else cores))

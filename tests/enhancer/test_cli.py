@@ -34,6 +34,19 @@ def test_info_reads_the_onnx_metadata(model_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["preset"] == "tim" and info["algorithmic_latency_ms"] == 64.0
     assert info["parameters"] == 6987947 and info["provider"] == "CPUExecutionProvider"
+    assert info["stream_state"] == "host" and "CPUExecutionProvider" in info["available_providers"]
+    assert main(["info", str(model_path), "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["provider"] == "CPUExecutionProvider"
+
+
+def test_bench_batches_are_chosen_and_checked(model_path, capsys):
+    assert main(["bench", "--model", str(model_path), "--steps", "4", "--batches", "2,3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [s["batch"] for s in res["step"]] == [2, 3] and res["device"] == "cpu" and "streams_per_gpu" not in res
+    for bad in ("0,4", "two", ""):
+        with pytest.raises(SystemExit):
+            main(["bench", "--model", str(model_path), "--batches", bad])
+        assert "--batches" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fmt, subtype, rate, channels", [
