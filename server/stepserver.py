@@ -256,6 +256,7 @@ class RemoteLanePool:
     an idle front-end's readiness (`/readyz`) follows the step server. `free` never fails."""
 
     RECONNECT_S = 1.0
+    ANSWER_S = 5.0  # a call unanswered this long: the step server is taken for hung, the connection dropped
 
     def __init__(self, address: str, capacity: int, engine):
         self.address, self.capacity, self.engine = str(address), int(capacity), engine
@@ -273,6 +274,9 @@ class RemoteLanePool:
         try:
             conn = Client(self.address, family="AF_UNIX", authkey=_authkey())
             conn.send(("hello",))
+            if not conn.poll(self.ANSWER_S):
+                conn.close()
+                raise StepServerError(f"the step server at {self.address} did not answer in {self.ANSWER_S:g} s")
             reply = conn.recv()
         except (OSError, EOFError) as e:
             raise StepServerError(f"cannot reach the step server at {self.address}: {e}") from None
@@ -295,8 +299,11 @@ class RemoteLanePool:
 
     @property
     def connected(self) -> bool:
-        """Whether the step server answers (reconnecting if the connection broke, at most once a second)."""
-        with self._lock:
+        """Whether the step server answers (reconnecting if the connection broke, at most once a
+        second). Never waits: with a call in flight, the connection is as good as that call."""
+        if not self._lock.acquire(blocking=False):  # e.g. /readyz on the event loop while the worker steps
+            return self.conn is not None
+        try:
             try:  # between calls nothing is due: something readable is the step server closing
                 if self.conn is not None and self.conn.poll(0):
                     self._broken()
@@ -308,6 +315,8 @@ class RemoteLanePool:
                 except StepServerError:
                     pass
             return self.conn is not None
+        finally:
+            self._lock.release()
 
     def _call(self, *msg) -> tuple:
         with self._lock:
@@ -317,6 +326,9 @@ class RemoteLanePool:
                 self._connect()
             try:
                 self.conn.send(msg)
+                if not self.conn.poll(self.ANSWER_S):
+                    self._broken()
+                    raise StepServerError(f"the step server at {self.address} did not answer in {self.ANSWER_S:g} s")
                 reply = self.conn.recv()
             except (OSError, EOFError) as e:
                 self._broken()

@@ -174,3 +174,20 @@ def test_a_front_end_outlives_a_step_server_restart(model_path, tmp_path, enhanc
     finally:
         srv.stop()
         t.join(timeout=5)
+
+
+def test_a_hung_step_server_fails_the_call_instead_of_hanging_the_front_end(tmp_path, enhancer_rt, monkeypatch):
+    """A step server that accepts but never answers: the hello (and any call) gives up after
+    ANSWER_S with a clear error."""
+    from multiprocessing.connection import Listener
+
+    monkeypatch.setattr(RemoteLanePool, "ANSWER_S", 0.3)
+    listener = Listener(str(tmp_path / "hung.sock"), family="AF_UNIX")
+    held = []
+    t = threading.Thread(target=lambda: held.append(listener.accept()), daemon=True)
+    t.start()
+    t0 = time.time()
+    with pytest.raises(StepServerError, match="did not answer in 0.3 s"):
+        RemoteLanePool(str(tmp_path / "hung.sock"), 2, enhancer_rt.engine)
+    assert time.time() - t0 < 5
+    listener.close()
