@@ -9,6 +9,10 @@ lane range is a pointer and a shape), its updated states and new key/value rows 
 and one small graph per step (`enhancer.lane_graphs`) writes them into the pool there. Per call only the
 hops, gain floors and positions go in and the enhanced hops, activity and competition come out.
 
+With `full_steps`, a live step (one frame) runs over the whole pool through a session of the step
+graph with static shapes, every buffer bound once, replayed as a CUDA graph under CUDA (`_FullStep`):
+the step is bound by kernel launches, not by the batch, and a replay is one launch.
+
 Same interface, same results as `LanePool` (tests/enhancer/test_device_pool.py steps both through
 the same calls on the CPU; `server/tools/gpu_check.py` does it under CUDA). Float key/value rings
 only: int8 rings (`enhancer.ringquant`) exist to save CPU memory bandwidth and stay on `LanePool`.
@@ -188,17 +192,12 @@ class DeviceLanePool(Lanes):
     def _bind_out(self, io, name: str, shape, ptr: int) -> None:
         io.bind_output(name, self.device, 0, np.float32, list(shape), ptr)
 
-    def _run_in_place(self, graph: str, data_shape, data_ptr: int, tensors: dict) -> None:
-        """One lane graph with its `data` input and `out` output bound to the same device memory."""
-        sess = self.graphs.sessions[graph]
+    def _zero_rows(self, data_shape, data_ptr: int, lanes: np.ndarray) -> None:
+        """The zero_rows graph on (M, C, L) device memory at `data_ptr`, in place."""
+        sess = self.graphs.sessions["zero_rows"]
         io = sess.io_binding()
         self._bind_in(io, "data", data_shape, data_ptr)
-        for name, value in tensors.items():
-            if isinstance(value, np.ndarray):
-                io.bind_cpu_input(name, value)
-            else:  # (shape, device pointer) of a step output
-                shape, ptr = value
-                self._bind_in(io, name, shape, ptr)
+        io.bind_cpu_input("lanes", lanes)
         self._bind_out(io, "out", data_shape, data_ptr)
         sess.run_with_iobinding(io)
 
@@ -207,12 +206,11 @@ class DeviceLanePool(Lanes):
             return
         base = self.state_buffer.data_ptr()
         for (_, _, n), cum in zip(self.states, self._cum):
-            self._run_in_place("zero_rows", (1, self.capacity, n), base + 4 * self.capacity * int(cum), {"lanes": lanes})
+            self._zero_rows((1, self.capacity, n), base + 4 * self.capacity * int(cum), lanes)
         m = self.rings_shape[0]
         per_call = max(1, ZERO_CHUNK_BYTES // (4 * m * self._ring_lane))
         for i in range(0, lanes.size, per_call):
-            self._run_in_place("zero_rows", (m, self.capacity, self._ring_lane), self.ring_buffer.data_ptr(),
-                               {"lanes": lanes[i:i + per_call]})
+            self._zero_rows((m, self.capacity, self._ring_lane), self.ring_buffer.data_ptr(), lanes[i:i + per_call])
 
     def _bind_caches(self, io, lo: int, hi: int) -> None:
         """The states and rings of lanes [lo, hi) as the step's inputs, in place."""
