@@ -13,14 +13,16 @@ their streams through it (`RemoteLanePool`, the interface of `LanePool`):
 
 The step server holds every stream's state in one lane pool on the device (`make_pool`: a
 `DeviceLanePool` under CUDA), hands out lanes on request (the lowest free ones, so the lanes in use
-stay together and a step covers few idle ones), and serves the front-ends' calls in rounds: every
-call that arrived while the last round ran is in the next one, and all live steps (one hop) of a
-round run as one batched step; multi-frame calls (files, backlogs) run one by one after it. A call
+stay together and a step covers few idle ones), and serves the front-ends' calls in rounds: a round
+takes every call that has arrived, waiting up to `--gather-ms` for the front-ends that stepped in
+the last round, and runs all its live steps (one hop) as one batched step (over the whole pool with
+`--full-steps`); multi-frame calls (files, backlogs) run one by one after it. A call
 that fails in a batch is retried alone, so a fault tied to one front-end's streams fails that call
 only. A front-end that disconnects has its lanes freed.
 
 Transport: `multiprocessing.connection` over a Unix socket (pickled messages: one hop of audio per
-lane each way). Requests and replies are tuples: ("hello",), ("alloc", n), ("free", lanes),
+lane each way). Whoever can open the socket can talk to the step server: put it in a folder only
+the service's user may enter, and set `$TIM_ENHANCER_STEP_KEY` (a shared key, checked on connect). Requests and replies are tuples: ("hello",), ("alloc", n), ("free", lanes),
 ("reset", lanes), ("run", lanes, hops (k, T, hop), min_gain (k,)); replies ("ok", ...) or
 ("error", message).
 """
