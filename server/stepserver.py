@@ -73,6 +73,7 @@ class StepServer:
         if Path(self.address).exists():  # a socket left by a process that died
             Path(self.address).unlink()
         self.listener = Listener(self.address, family="AF_UNIX", authkey=_authkey())
+        os.chmod(self.address, 0o600)  # this user's processes only (the front-ends run as the same user)
         self._new: list[Connection] = []
         self._lock = threading.Lock()
         self.owned: dict[Connection, set[int]] = {}

@@ -68,6 +68,13 @@ def test_two_front_ends_step_as_a_local_pool_would(step_server, enhancer_rt, rng
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+def test_the_socket_is_this_users_only(step_server):
+    import os
+    import stat
+
+    assert stat.S_IMODE(os.stat(step_server.address).st_mode) == 0o600
+
+
 def test_lanes_are_each_front_ends_own(step_server, enhancer_rt):
     a, b = (RemoteLanePool(step_server.address, 4, enhancer_rt.engine) for _ in range(2))
     la, lb = a.alloc(2), b.alloc(1)
