@@ -168,7 +168,8 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
             res["streams_per_gpu"] = res["streams_per_core"]  # the same search: one GPU, not one core
         res["cores"] = cores
         res["suggested_workers"] = 1 if gpu else cores  # one worker drives the GPU
-        res["suggested_max_streams"] = int(HEADROOM * res["streams_per_core"] * (1 if gpu else cores))
+        # on a GPU the step is not what bounds one service process (format_table says what to do)
+        res["suggested_max_streams"] = None if gpu else int(HEADROOM * res["streams_per_core"] * cores)
     x = (np.random.default_rng(1).standard_normal(int(seconds * SAMPLE_RATE)) * 0.05).astype(np.float32)
     bar.set_postfix_str(f"offline enhance of {seconds:g} s, then T = {', '.join(map(str, OFFLINE_SWEEP))}")
     for enh in enhs:
@@ -212,9 +213,10 @@ def format_table(res: dict) -> str:
     gpu = res.get("device") == "cuda"
     unit = "GPU" if gpu else "core"
     if gpu:
-        capacity = (f"capacity         one GPU: try `enhancer serve --device cuda --workers 1 --max-streams "
-                    f"{res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']}), then confirm with the "
-                    "load test (server/README.md)")
+        capacity = (f"capacity         one GPU steps {res['streams_per_core']} streams; one service process feeds far "
+                    "fewer (its event loop and worker share one interpreter): run `enhancer step-server --device cuda` "
+                    "with several `enhancer serve --step-server` front-ends, and size them with the load test "
+                    "(server/README.md, Serving on a GPU)")
     else:
         capacity = (f"capacity         {res['cores']} core(s) here: try `enhancer serve --workers {res['suggested_workers']} "
                     f"--max-streams {res['suggested_max_streams']}` ({HEADROOM:.0%} of {res['streams_per_core']} x "
