@@ -116,7 +116,7 @@ gpu-check:
 	if ls $(GPU_CARRY)/wheels/*.whl >/dev/null 2>&1; then \
 		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) $(GPU_CARRY)/wheels/*.whl; \
 	else \
-		$(PYTHON) -m pip install -q --target $(GPU_SITE) $$($(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(p['dependencies'] + p['optional-dependencies']['serve']))") httpx==0.28.1; \
+		$(PYTHON) -m pip install -q --target $(GPU_SITE) $$($(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(r.split(';')[0].strip() for r in p['dependencies'] + p['optional-dependencies']['serve']))") httpx==0.28.1; \
 	fi; \
 	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(PYTHON) -m server.tools.gpu_check --out $(GPU_OUT) $(GPU_ARGS)
 
