@@ -492,8 +492,9 @@ def main(argv=None) -> int:
         os.environ["TIM_ENHANCER_FULL_STEPS"] = "1"  # every pool from here on: parity's, the bench's, the step server's
         if "parity_full" not in skip:
             stage("parity_full", models[0].name, parity, models[0], a.device)
-        stage("profile_full", None, profile_step, models[0], a.device, (4, 8) if a.quick else (64, 256, 1024),
-              30 if a.quick else 100, True)
+        if "profile" not in skip:
+            stage("profile_full", None, profile_step, models[0], a.device, (4, 8) if a.quick else (64, 256, 1024),
+                  30 if a.quick else 100, True)
         if "bench_full" not in skip:
             stage("bench_full", models[0].name, bench, models[0], a.device, a.batches, a.steps)
     for spec in [x for x in a.step_server.split(",") if x]:

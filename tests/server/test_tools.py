@@ -45,3 +45,21 @@ def test_soak_windows_add_up_to_the_totals_when_tails_arrive_late():
     w = soak.windows([client], 0.0, 6.0, 0.5, budget_ms=100.0)
     assert sum(x["messages"] for x in w) == 5 and sum(x["late"] for x in w) == 4
     assert w[-1]["t"] + 0.5 > 7.6
+
+
+def test_gpu_check_rehearses_on_the_cpu(model_path, tmp_path, monkeypatch):
+    """`server.tools.gpu_check` on the CPU, with the device pool that CUDA would use: the parity
+    stages (lane ranges, and full-pool live steps) pass and land in the JSON with the environment."""
+    from server.tools import gpu_check
+
+    monkeypatch.setenv("TIM_ENHANCER_DEVICE_POOL", "1")
+    monkeypatch.setenv("TIM_ENHANCER_FULL_STEPS", "0")  # gpu_check sets it to 1: restored after the test
+    assert gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--model", str(model_path),
+                           "--skip", "info,bench,load,profile,bench_full", "--full-steps"]) == 0
+    r = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert r["environment"]["providers"] and r["device"] == "cpu"
+    for stage in ("parity", "parity_full"):
+        p = r[stage][model_path.name]
+        assert p["ok"] and p["streams"] == 8 and p["worst_stream_max_rel_diff"] <= 1e-4, p
+    assert r["parity"][model_path.name]["pool"] == "DeviceLanePool"
+    assert r["parity_full"][model_path.name]["pool"] == "DeviceLanePool (full-pool live steps)"
