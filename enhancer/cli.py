@@ -197,7 +197,7 @@ def cmd_info(a) -> int:
     else:
         import onnxruntime as ort
 
-        from .device_pool import DeviceLanePool, make_pool
+        from .device_pool import uses_device_pool
         from .devices import available_providers
 
         enh = _enhancer(a.model, a.device)
@@ -205,7 +205,7 @@ def cmd_info(a) -> int:
             "provider": enh.provider, "available_providers": available_providers(), "onnxruntime": ort.__version__,
             "file": str(enh.engine.path), "weights": enh.engine.weights, "rings": enh.engine.ring_format,
             # where a stream's caches live: "device" (GPU memory, `enhancer.device_pool`) or "host" (numpy)
-            "stream_state": "device" if isinstance(make_pool(enh.engine, 1), DeviceLanePool) else "host"}
+            "stream_state": "device" if uses_device_pool(enh.engine) else "host"}
         exported_with = enh.engine.metadata.get("version")
     info = {
         "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,

@@ -26,7 +26,7 @@ from math import prod
 
 import numpy as np
 
-from .engine import Engine, LanePool, Lanes, StepResult
+from .engine import Engine, LanePool, Lanes, StepResult, lane_range
 from .errors import CheckpointError
 from .step_io import NEXT, ring_specs, state_specs
 
@@ -49,12 +49,17 @@ def make_pool(engine: Engine, capacity: int, full_steps: bool | None = None) -> 
     pool on the CPU provider too (a rehearsal of the GPU's code path; slower than `LanePool` there).
     `full_steps` (default: $TIM_ENHANCER_FULL_STEPS=1): live steps of the whole pool through a
     static graph, captured as a CUDA graph under CUDA (`DeviceLanePool`)."""
-    wanted = engine_device(engine) == "cuda" or os.environ.get(FORCE_ENV) == "1"
-    if wanted and not engine.int8_rings:
+    if uses_device_pool(engine):
         if full_steps is None:
             full_steps = os.environ.get(FULL_STEPS_ENV) == "1"
         return DeviceLanePool(engine, capacity, full_steps=full_steps)
     return LanePool(engine, capacity)
+
+
+def uses_device_pool(engine: Engine) -> bool:
+    """Whether `make_pool` keeps this engine's streams in a `DeviceLanePool` (on the device)."""
+    wanted = engine_device(engine) == "cuda" or os.environ.get(FORCE_ENV) == "1"
+    return wanted and not engine.int8_rings
 
 
 class _LaneGraphs:
@@ -272,13 +277,6 @@ class DeviceLanePool(Lanes):
         comp = host["competition"][lanes] if "competition" in host else None
         return StepResult(out=host["out"][lanes], competition=comp, activity=host["activity"][lanes])
 
-    # steps
-    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
-        """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
-        r = self.run(lanes, hops[:, None], min_gain)
-        comp = None if r.competition is None else r.competition[:, 0]
-        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
-
     def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
         """Advance `lanes` (distinct) by T hops each in one call: hops (k, T, hop) -> out (k, T, hop),
         as `LanePool.run`: the call covers the lane range [min, max]; lanes in it that are not
@@ -287,16 +285,8 @@ class DeviceLanePool(Lanes):
         lanes = np.asarray(lanes, dtype=np.int64)
         if self.full_step is not None and hops.shape[1] == 1:
             return self._run_full(lanes, hops, min_gain)
-        lo, hi = int(lanes.min()), int(lanes.max()) + 1
-        idx = lanes - lo
-        b = hi - lo
-        if b == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
-            h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
-        else:
-            h = np.zeros((b,) + hops.shape[1:], dtype=np.float32)
-            g = np.zeros(b, dtype=np.float32)
-            h[idx], g[idx] = hops, min_gain
-        t = hops.shape[1]
+        lo, hi, idx, _, h, g = lane_range(lanes, hops, min_gain)
+        b, t = hi - lo, hops.shape[1]
         io = eng.session.io_binding()
         io.bind_cpu_input("hops", h)
         io.bind_cpu_input("min_gain", g)

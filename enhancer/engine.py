@@ -4,6 +4,7 @@ call steps any set of lanes by one hop, `step`, or by T hops, `run`). Never impo
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from .step_io import (
 CUDA_OPTIONS = {"use_tf32": "0"}
 
 
-_preloaded: list[bool] = []
 # The CUDA 13 libraries onnxruntime-gpu's CUDA provider links (in load order: a library after those it
 # needs), and optional ones it opens when a graph needs them.
 CUDA_LIBRARIES = ("libcudart.so.13", "libcublasLt.so.13", "libcublas.so.13", "libcurand.so.10")
@@ -52,37 +52,36 @@ def _nvidia_library(name: str) -> str | None:
     return None
 
 
+@functools.cache
 def preload_cuda_libraries() -> bool:
     """Load the CUDA libraries that onnxruntime-gpu's CUDA provider links from the nvidia-* Python
     packages (the [gpu] extra's, or a PyTorch install's), so that it runs without a system CUDA and
     wherever onnxruntime itself is installed; then onnxruntime's own `preload_dlls`. Once per
     process. True when every required library was found in those packages (else the system's
     libraries may still serve: the session then says whether CUDA started)."""
-    if not _preloaded:
-        import contextlib
-        import ctypes
-        import io
+    import contextlib
+    import ctypes
+    import io
 
-        found = 0
-        for name in CUDA_LIBRARIES + CUDA_OPTIONAL:
-            path = _nvidia_library(name)
-            if path is None:
-                continue
+    import onnxruntime as ort
+
+    found = 0
+    for name in CUDA_LIBRARIES + CUDA_OPTIONAL:
+        path = _nvidia_library(name)
+        if path is None:
+            continue
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            found += name in CUDA_LIBRARIES
+        except OSError:
+            pass
+    if hasattr(ort, "preload_dlls"):  # onnxruntime >= 1.21; it prints what it cannot load: keep stdout clean
+        with contextlib.redirect_stdout(io.StringIO()):
             try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                found += name in CUDA_LIBRARIES
-            except OSError:
+                ort.preload_dlls()
+            except Exception:  # nothing more to load that way
                 pass
-        import onnxruntime as ort
-
-        if hasattr(ort, "preload_dlls"):  # onnxruntime >= 1.21; it prints what it cannot load: keep stdout clean
-            with contextlib.redirect_stdout(io.StringIO()):
-                try:
-                    ort.preload_dlls()
-                except Exception:  # nothing more to load that way
-                    pass
-        _preloaded.append(found == len(CUDA_LIBRARIES))
-    return _preloaded[0]
+    return found == len(CUDA_LIBRARIES)
 
 
 def min_gain_for(atten_lim_db: float | None) -> float:
@@ -177,7 +176,35 @@ class Engine:
         return StepOutputs.decode(self.config, values, self.output_names)
 
 
-class Lanes:
+class Stepping:
+    """`step`, the live step, as a one-frame `run` (every pool's `run` takes (k, T, hop))."""
+
+    def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        raise NotImplementedError
+
+    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
+        """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
+        r = self.run(lanes, hops[:, None], min_gain)
+        comp = None if r.competition is None else r.competition[:, 0]
+        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
+
+
+def lane_range(lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray):
+    """A call over `lanes` (distinct) covers the range [lo, hi) of them: (lo, hi, idx, whole, h, g)
+    with idx the lanes' rows in that range, whole whether they are the range itself in order, and
+    h, g the call's hops and gain floors over the range (zeros on the rows not stepping)."""
+    lo, hi = int(lanes.min()), int(lanes.max()) + 1
+    idx = lanes - lo
+    if hi - lo == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
+        return lo, hi, idx, True, np.ascontiguousarray(hops, dtype=np.float32), \
+            np.ascontiguousarray(min_gain, dtype=np.float32)
+    h = np.zeros((hi - lo,) + hops.shape[1:], dtype=np.float32)
+    g = np.zeros(hi - lo, dtype=np.float32)
+    h[idx], g[idx] = hops, min_gain
+    return lo, hi, idx, False, h, g
+
+
+class Lanes(Stepping):
     """Which of a pool's `capacity` lanes are free (the lowest first); `alloc` resets the lanes it
     hands out (`reset`, the pool's). A subclass sets `capacity` and calls `_init_lanes`."""
 
@@ -230,27 +257,13 @@ class LanePool(Lanes):
             c[lanes] = 0
         self.pos[lanes] = 0
 
-    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
-        """Advance `lanes` (distinct) by one hop each: hops (k, hop) -> out (k, hop) (the live step)."""
-        r = self.run(lanes, hops[:, None], min_gain)
-        comp = None if r.competition is None else r.competition[:, 0]
-        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
-
     def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
         """Advance `lanes` (distinct) by T hops each in one call: hops (k, T, hop) -> out (k, T, hop),
         the same as T calls of `step`. The call covers the lane range [min, max]; lanes in it that
         are not stepping are computed but left untouched."""
         eng = self.engine
-        lo, hi = int(lanes.min()), int(lanes.max()) + 1
-        idx = lanes - lo
-        if hi - lo == len(lanes) and np.array_equal(idx, np.arange(len(lanes))):
-            sel = slice(None)  # the lanes are the whole range, in order: plain views, no gathers
-            h, g = np.ascontiguousarray(hops, dtype=np.float32), np.ascontiguousarray(min_gain, dtype=np.float32)
-        else:
-            sel = idx
-            h = np.zeros((hi - lo,) + hops.shape[1:], dtype=np.float32)
-            g = np.zeros(hi - lo, dtype=np.float32)
-            h[idx], g[idx] = hops, min_gain
+        lo, hi, idx, whole, h, g = lane_range(lanes, hops, min_gain)
+        sel = slice(None) if whole else idx  # the whole range, in order: plain views, no gathers
         views = [c[lo:hi] for c in self.caches]  # contiguous views, no copies
         pos = self.pos[lo:hi]
         o = eng.run(h, g, pos.copy(), views)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from enhancer.engine import StepResult
+from enhancer.engine import Stepping, StepResult
 
 log = logging.getLogger("tim_enhancer.stepserver")
 KEY_ENV = "TIM_ENHANCER_STEP_KEY"  # shared secret of the step server and its front-ends (default: none)
@@ -247,7 +247,7 @@ class StepServerError(RuntimeError):
     """The step server refused a call or went away."""
 
 
-class RemoteLanePool:
+class RemoteLanePool(Stepping):
     """`LanePool`'s interface over a step server: `capacity` lanes of this front-end (the step
     server hands out the lanes themselves); `engine` is the front-end's local copy of the model
     (its config; it never steps). One caller at a time (a worker's thread), but `connected` may be
@@ -375,11 +375,6 @@ class RemoteLanePool:
 
     def reset(self, lanes) -> None:
         self._call("reset", self._held(lanes))
-
-    def step(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
-        r = self.run(lanes, hops[:, None], min_gain)
-        comp = None if r.competition is None else r.competition[:, 0]
-        return StepResult(out=r.out[:, 0], competition=comp, activity=r.activity[:, 0])
 
     def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
         self._held(lanes)
