@@ -175,6 +175,7 @@ def load_test(model: Path, device: str, levels: list[int], clients: int, seconds
                      "budget_ms": next((q["budget_ms"] for q in parts if "budget_ms" in q), None),
                      "errors": [e for q in parts for e in q.get("errors", [])][:10]
                      + [q["error"] for q in parts if "error" in q]} | _aggregate(parts)
+            level["capacity"] = top  # one server: each generator reports its capacity, not a share of it
             res["levels"].append(level)
             print(f"load test: {n} streams: admitted {level['admitted']}, late {level['late']} of {level['messages']}, "
                   f"p50 {level['latency_p50_ms_median']} ms, worst p99 {level['latency_p99_ms_worst']} ms", flush=True)
@@ -345,54 +346,47 @@ def profile_step(model: Path, device: str, batches=(1, 64, 1024), steps: int = 1
     return out
 
 
+def _parity_line(p: dict) -> str:
+    f = p["file_parity"]
+    return (f"file rel {f['max_rel_diff']:.2e} ({f['snr_db']:.1f} dB); {p['streams']} streams worst rel "
+            f"{p['worst_stream_max_rel_diff']:.2e} ({p['worst_stream_snr_db']:.1f} dB) [{p['tolerance']}]: "
+            f"{'ok' if p['ok'] else 'FAIL'} ({p['pool']})")
+
+
+def _bench_line(b: dict) -> str:
+    steps = "; ".join(f"b{s['batch']} {s['p50_ms']:.2f}/{s['p99_ms']:.2f}" for s in b["step"])
+    return (f"({b['provider']}): {steps} ms p50/p99; streams in real time {b['streams_per_core']}; offline RTF "
+            f"{b['offline_rtf']:.4f}")
+
+
+def _profile_line(r: dict) -> str:
+    return (f"pool step p50 {r['pool_step_p50_ms']:.2f} ms = graph run {r['graph_run_p50_ms']:.2f} + "
+            f"{r['writers_per_step']} lane-writer call(s) {r['writers_p50_ms_per_step']:.2f} + the rest")
+
+
+def _load_line(m: dict) -> str:
+    return (f"capacity {m['capacity']}, admitted {m['admitted']} of {m['offered']}, refused {m['refused']}, late "
+            f"{m['late']} ({m['late_other']} apart from stalls) of {m['messages']}, p50 {m['latency_p50_ms_median']} ms, "
+            f"worst p99 {m['latency_p99_ms_worst']} ms, ok {m['ok']}")
+
+
 def summary(report: dict) -> str:
     lines = [f"GPU check ({report['device']}), {report.get('environment', {}).get('gpu')}"]
     for name, i in report.get("info", {}).items():
         lines.append(f"info {name}: provider {i.get('provider')}, stream state {i.get('stream_state')}, "
                      f"weights {i.get('weights')}, rings {i.get('rings')} {i.get('error', '')}")
-    parities = [(f"{k} {n}", p) for k in ("parity", "parity_full") for n, p in report.get(k, {}).items()]
-    for name, p in parities:
-        if "error" in p:
-            lines.append(f"{name}: ERROR {p['error'][-300:]}")
-            continue
-        lines.append(f"{name}: file rel {p['file_parity']['max_rel_diff']:.2e} ({p['file_parity']['snr_db']:.1f} dB); "
-                     f"{p['streams']} streams worst rel {p['worst_stream_max_rel_diff']:.2e} "
-                     f"({p['worst_stream_snr_db']:.1f} dB) [{p['tolerance']}]: {'ok' if p['ok'] else 'FAIL'} ({p['pool']})")
-    benches = [(k, n, b) for k in ("bench", "bench_full") for n, b in report.get(k, {}).items()]
-    for kind, name, b in benches:
-        if "error" in b:
-            lines.append(f"{kind} {name}: ERROR {b['error'][-300:]}")
-            continue
-        lines.append(f"{kind} {name} ({b['provider']}): " + "; ".join(
-            f"b{s['batch']} {s['p50_ms']:.2f}/{s['p99_ms']:.2f}" for s in b["step"])
-            + f" ms p50/p99; streams in real time {b['streams_per_core']}; offline RTF {b['offline_rtf']:.4f}")
-    rows = [(k, r) for k in ("profile", "profile_full") for r in report.get(k, {}).get("batches", [])]
-    for kind, row in rows:
-        if "error" in row:
-            lines.append(f"{kind} b{row['batch']}: ERROR {row['error'][-300:]}")
-            continue
-        lines.append(f"{kind} b{row['batch']}: pool step p50 {row['pool_step_p50_ms']:.2f} ms = graph run "
-                     f"{row['graph_run_p50_ms']:.2f} + {row['writers_per_step']} lane-writer call(s) "
-                     f"{row['writers_p50_ms_per_step']:.2f} + the rest")
-    for key, m in report.get("load_servers", {}).items():
-        if "error" in m:
-            lines.append(f"load {key}: ERROR {m['error'][-400:]}")
-            continue
-        lines.append(f"load {key}: capacity {m['capacity']}, admitted {m['admitted']} of {m['offered']}, refused "
-                     f"{m['refused']}, late {m['late']} ({m['late_other']} apart from stalls) of {m['messages']}, p50 "
-                     f"{m['latency_p50_ms_median']} ms, worst p99 {m['latency_p99_ms_worst']} ms, ok {m['ok']}")
-    for key, m in report.get("load_step_server", {}).items():
-        if "error" in m or "admitted" not in m:
-            lines.append(f"step server {key}: ERROR {str(m.get('error', m))[-400:]}")
-            continue
-        lines.append(f"step server {key}: admitted {m['admitted']} of {m['offered']}, late {m['late']} "
-                     f"({m['late_other']} apart from stalls) of {m['messages']}, p50 {m['latency_p50_ms_median']} ms, "
-                     f"worst p99 {m['latency_p99_ms_worst']} ms, ok {m['ok']}")
+    rows = [(f"{k} {n}", v, _parity_line) for k in ("parity", "parity_full") for n, v in report.get(k, {}).items()]
+    rows += [(f"{k} {n}", v, _bench_line) for k in ("bench", "bench_full") for n, v in report.get(k, {}).items()]
+    rows += [(f"{k} b{r['batch']}", r, _profile_line) for k in ("profile", "profile_full")
+             for r in report.get(k, {}).get("batches", [])]
+    rows += [(f"load {key}", m, _load_line) for key, m in report.get("load_servers", {}).items()]
+    rows += [(f"step server {key}", m, _load_line) for key, m in report.get("load_step_server", {}).items()]
     lt = report.get("load_test", {})
-    for lv in lt.get("levels", []):
-        lines.append(f"load {lv['streams']} streams ({lv['clients']} clients): admitted {lv['admitted']}, refused "
-                     f"{lv['refused']}, late {lv['late']} of {lv['messages']} (budget {lv['budget_ms']} ms), p50 "
-                     f"{lv['latency_p50_ms_median']} ms, worst p99 {lv['latency_p99_ms_worst']} ms, ok {lv['ok']}")
+    rows += [(f"load {lv['streams']} streams ({lv['clients']} clients, budget {lv['budget_ms']} ms)", lv, _load_line)
+             for lv in lt.get("levels", [])]
+    for label, value, line in rows:
+        ok = "error" not in value and ("admitted" in value or line is not _load_line)
+        lines.append(f"{label}: {line(value)}" if ok else f"{label}: ERROR {str(value.get('error', value))[-400:]}")
     if "error" in lt:
         lines.append(f"load test: ERROR {lt['error'][-500:]}")
     return "\n".join(lines)
