@@ -88,6 +88,10 @@ class FitOptions:
     teacher_weight: float = field(default=0.0, metadata=flag(
         "add this weight times the MSE between the log-magnitude estimate and --teacher's, per bin compared "
         "(default 0: off)", type=float))
+    pitch_filter_loss: bool = field(default=False, metadata=flag(
+        "compute every term on the gains applied after the model's pitch filter, as inference applies them "
+        "(needs a model with one, e.g. --init models/tim.pt; the filter itself gets no gradient)",
+        action="store_true"))
     schedule: str = field(default="plateau", metadata=flag(
         "plateau: halve the lr after --patience validations without improvement; cosine: linear warm-up "
         "over --warmup-steps, then cosine decay to --final-lr at --total-steps (or --total-minutes)", choices=("plateau", "cosine")))

@@ -266,3 +266,65 @@ def test_waveform_terms_add_their_weighted_means_and_reach_the_model(tiny_model,
     finally:
         model.zero_grad()
         model.eval()
+
+
+def with_pitch_filter(model, strength: float = 0.7, exponent: float = 1.25):
+    """`model`'s weights in a model whose config has a pitch filter and a gain exponent."""
+    import dataclasses
+
+    from enhancer import build_model
+
+    cfg = dataclasses.replace(model.config, pitch_filter=strength, gain_exponent=exponent)
+    out = build_model(cfg).eval()
+    out.load_state_dict(model.state_dict())
+    return out
+
+
+@pytest.fixture(scope="module")
+def voiced():
+    """A 200 Hz voice-like harmonic tone in white noise at about 5 dB, 0.6 s."""
+    g = torch.Generator().manual_seed(5)
+    n = 9600
+    t = torch.arange(n) / 16000
+    clean = sum(0.1 / k * torch.sin(2 * np.pi * 200 * k * t + k) for k in range(1, 16)) * torch.ones(1, 1)
+    noisy = clean + 0.04 * torch.randn(1, n, generator=g)
+    return noisy, clean, torch.tensor([8000.0])
+
+
+def test_pitch_filter_loss_compares_the_gains_on_the_filtered_spectrum(tiny_model, voiced):
+    from enhancer.model import pitchfilter
+
+    model = with_pitch_filter(tiny_model)
+    cfg = model.config
+    noisy, clean, bw = voiced
+    spec, ys = features.stft(noisy, cfg.stft), features.stft(clean, cfg.stft).abs()
+    with torch.no_grad():
+        gains, _ = model(torch.log(spec.abs() + cfg.log_eps), pad_end=False)
+        t = gains.shape[1]
+        filtered = pitchfilter.filter_offline(cfg, noisy, spec[:, :t], gains ** 1.25)
+    est, plain, y = (a.double().numpy() for a in (gains * filtered.abs(), gains * spec[:, :t].abs(), ys[:, :t]))
+    expected = ((np.log(est + 1e-2) - np.log(y + 1e-2)) ** 2).mean()
+    without = ((np.log(plain + 1e-2) - np.log(y + 1e-2)) ** 2).mean()
+    with torch.no_grad():
+        on = float(LossConfig(loss_floor=1e-2, pitch_filter_loss=True)(model, model, noisy, clean, bw, nullcontext))
+        off = float(LossConfig(loss_floor=1e-2)(model, model, noisy, clean, bw, nullcontext))
+    assert on == pytest.approx(expected, rel=1e-5)
+    assert off == pytest.approx(without, rel=1e-5)
+    assert abs(on - off) > 1e-2 * off  # the filter acts on this voiced input
+
+
+def test_pitch_filter_loss_trains_the_gains_through_the_filtered_spectrum(tiny_model, voiced):
+    model = with_pitch_filter(tiny_model)
+    noisy, clean, bw = voiced
+    model.zero_grad()
+    LossConfig(loss_floor=1e-2, compressed_weight=20.0, sisdr_weight=0.01,
+               pitch_filter_loss=True)(model, model, noisy, clean, bw, nullcontext).backward()
+    grad = model.head.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and float(grad.abs().max()) > 0.0
+
+
+def test_pitch_filter_loss_needs_a_model_with_a_pitch_filter(tiny_model, voiced):
+    noisy, clean, bw = voiced
+    assert tiny_model.config.pitch_filter == 0
+    with pytest.raises(ValueError, match="pitch filter"):
+        LossConfig(pitch_filter_loss=True)(tiny_model, tiny_model, noisy, clean, bw, nullcontext)

@@ -13,7 +13,7 @@ import torch
 
 from enhancer import ModelConfig
 from enhancer.config import STFTConfig
-from enhancer.model import features
+from enhancer.model import features, pitchfilter
 
 from ..data.synthesis import Synthesizer
 from .perceptual import PesqModel
@@ -74,7 +74,7 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
               loss_floor: float | None = None, compressed_power: float | None = None,
               waveform: tuple[bool, bool] = (False, False), overestimate_weight: float = 1.0,
               pesq: bool = False, pesq_compensate: bool = False, residual: bool = False,
-              teacher=None) -> LossSums:
+              teacher=None, pitch_filter: bool = False) -> LossSums:
     """noisy, clean (B, N) waveforms, bandwidth (B,) -> the sums of the objective (`LossSums`), the
     compressed term only with a `compressed_power`, the waveform terms (SI-SDR, multi-resolution
     STFT) only where `waveform` asks for them, the P.862 disturbance only with `pesq`. `net` may be a
@@ -91,7 +91,12 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
 
     With a `teacher` (a trained model with the same framing, in eval mode), `teacher_err` sums the
     squared difference of the log-magnitude estimates (the same floor) against the teacher's on the
-    same input: a target the student can reach, e.g. one with a shorter attention window."""
+    same input: a target the student can reach, e.g. one with a shorter attention window.
+
+    With `pitch_filter` (a model whose config has a `pitch_filter` strength), the gains apply to the
+    noisy spectrum after the pitch filter, as they do at inference (`enhancer.model.pitchfilter`): the
+    filter is computed without gradient from the gains raised to the model's `gain_exponent`, and every
+    term compares the gains times the filtered spectrum with the clean speech."""
     cfg = core.config
     noisy_spec, clean_spec = features.stft(noisy, cfg.stft), features.stft(clean, cfg.stft)  # (B, T, F)
     noisy_mag, clean_mag = noisy_spec.abs(), clean_spec.abs()
@@ -99,7 +104,14 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
         gains, _ = net(torch.log(noisy_mag + cfg.log_eps), pad_end=False)  # (B, T - L, F): the model's features
     t = gains.shape[1]
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
-    est_mag, clean_mag = gains.float() * noisy_mag[:, :t], clean_mag[:, :t]
+    applied = noisy_spec[:, :t]  # the spectrum the gains apply to
+    if pitch_filter:
+        if cfg.pitch_filter <= 0:
+            raise ValueError("the pitch filter in the loss (--pitch-filter-loss) needs a model with a pitch "
+                             "filter (config pitch_filter > 0, e.g. --init models/tim.pt)")
+        with torch.no_grad():
+            applied = pitchfilter.filter_offline(cfg, noisy.float(), applied, core.sharpen(gains.detach().float()))
+    est_mag, clean_mag = gains.float() * applied.abs(), clean_mag[:, :t]
     floor = cfg.log_eps if loss_floor is None else loss_floor
     w_err = w if overestimate_weight == 1.0 else w * torch.where(est_mag > clean_mag, overestimate_weight, 1.0)
     sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w_err), w.sum(),
@@ -119,7 +131,7 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     if pesq:
         sums.pesq = pesq_model(cfg.stft, est_mag.device, pesq_compensate).loss(est_mag * w, clean_mag * w).sum()
     if any(waveform):
-        est, ref = resynthesise(gains.float() * noisy_spec[:, :t], clean_spec[:, :t], w, cfg.stft)
+        est, ref = resynthesise(gains.float() * applied, clean_spec[:, :t], w, cfg.stft)
         if waveform[0]:
             sums.neg_sisdr = -si_sdr(ref, est).sum()
         if waveform[1]:
@@ -174,7 +186,8 @@ class LossConfig:
     `residual_weight` adds that times the compressed magnitudes' squared error of the noise left in
     the noise-dominated bins (`loss_sums`), on top of the terms above. `teacher_weight` adds that
     times the log-magnitude MSE against a teacher model's estimate on the same input (`--teacher`),
-    which the caller passes to `__call__`."""
+    which the caller passes to `__call__`. With `pitch_filter_loss` every term is computed on the
+    gains applied after the model's pitch filter, as at inference (`loss_sums`)."""
 
     loss_floor: float | None = None
     compressed_weight: float = 0.0
@@ -186,6 +199,7 @@ class LossConfig:
     pesq_compensate: bool = False
     residual_weight: float = 0.0
     teacher_weight: float = 0.0
+    pitch_filter_loss: bool = False
 
     def __post_init__(self):
         if not self.overestimate_weight > 0.0:
@@ -208,7 +222,7 @@ class LossConfig:
                          self.compressed_power if self.compressed_weight > 0.0 or residual else None,
                          (self.sisdr_weight > 0.0, self.mrstft_weight > 0.0), self.overestimate_weight,
                          self.pesq_weight > 0.0, self.pesq_compensate, residual,
-                         teacher if self.teacher_weight > 0.0 else None)
+                         teacher if self.teacher_weight > 0.0 else None, self.pitch_filter_loss)
         return sums.loss(self.compressed_weight, self.sisdr_weight, self.mrstft_weight, self.pesq_weight,
                          self.residual_weight, self.teacher_weight)
 
