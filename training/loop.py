@@ -37,7 +37,7 @@ from .data.layouts import TrainingData
 from .data.synthesis import MixConfig, Synthesizer
 from .distributed import Dist
 from .evaluation.devscore import DevScore, DevScorer, combine
-from .losses.objective import loss_sums
+from .losses.objective import check_pitch_filter_loss, loss_sums
 from .options import FitOptions
 from .precision import autocast_for
 from .prepare import (
@@ -175,6 +175,8 @@ class Trainer:
         self.mix, self.batch_size, self.seed, self.dropout, self.threads, self.precision = (
             st.mix, st.batch_size, st.seed, st.dropout, st.threads, st.precision)
         self.teacher = load_teacher(o, self.cfg, d.device, self.log)  # checked before the data loads
+        if o.pitch_filter_loss:
+            check_pitch_filter_loss(self.cfg)  # before the data loads too
         run_data = load_data(o, self.data, d, self.mix, self.seed, self.batch_size, self.examples, self.log)
         self.cache_root, self.valid, self.synth, self.feeder = (run_data.cache_root, run_data.valid, run_data.synth,
                                                                 run_data.feeder)

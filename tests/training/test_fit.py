@@ -117,6 +117,9 @@ def test_bad_data_is_a_clear_error_before_training(corpus, tiny_config, cache_di
     args[args.index("--data"):args.index("--data") + 2] = []
     assert main(args) == 2
     assert "give exactly one data source" in capsys.readouterr().err
+    assert main(fit_args(corpus, tiny_config, cache_dir, out, 2, "--pitch-filter-loss")) == 2
+    assert "needs a model with a pitch filter" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def _env():

@@ -311,6 +311,10 @@ def test_pitch_filter_loss_compares_the_gains_on_the_filtered_spectrum(tiny_mode
     assert on == pytest.approx(expected, rel=1e-5)
     assert off == pytest.approx(without, rel=1e-5)
     assert abs(on - off) > 1e-2 * off  # the filter acts on this voiced input
+    with torch.no_grad():  # a teacher's gains apply to the same filtered spectrum: itself as teacher adds 0
+        taught = float(LossConfig(loss_floor=1e-2, teacher_weight=1.0, pitch_filter_loss=True)(
+            model, model, noisy, clean, bw, nullcontext, teacher=model))
+    assert taught == pytest.approx(on, rel=1e-6)
 
 
 def test_pitch_filter_loss_trains_the_gains_through_the_filtered_spectrum(tiny_model, voiced):

@@ -106,12 +106,11 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     w = band_weight(bandwidth, cfg).expand(-1, t, -1)  # (B, T - L, F)
     applied = noisy_spec[:, :t]  # the spectrum the gains apply to
     if pitch_filter:
-        if cfg.pitch_filter <= 0:
-            raise ValueError("the pitch filter in the loss (--pitch-filter-loss) needs a model with a pitch "
-                             "filter (config pitch_filter > 0, e.g. --init models/tim.pt)")
+        check_pitch_filter_loss(cfg)
         with torch.no_grad():
             applied = pitchfilter.filter_offline(cfg, noisy.float(), applied, core.sharpen(gains.detach().float()))
-    est_mag, clean_mag = gains.float() * applied.abs(), clean_mag[:, :t]
+    applied_mag = applied.abs()
+    est_mag, clean_mag = gains.float() * applied_mag, clean_mag[:, :t]
     floor = cfg.log_eps if loss_floor is None else loss_floor
     w_err = w if overestimate_weight == 1.0 else w * torch.where(est_mag > clean_mag, overestimate_weight, 1.0)
     sums = LossSums(weighted_sq_err(torch.log(est_mag + floor), torch.log(clean_mag + floor), w_err), w.sum(),
@@ -126,7 +125,7 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     if teacher is not None:
         with torch.no_grad(), autocast():
             t_gains, _ = teacher(torch.log(noisy_mag + cfg.log_eps), pad_end=False)
-        t_mag = t_gains.float()[:, :t] * noisy_mag[:, :t]
+        t_mag = t_gains.float()[:, :t] * applied_mag
         sums.teacher_err = weighted_sq_err(torch.log(est_mag + floor), torch.log(t_mag + floor), w)
     if pesq:
         sums.pesq = pesq_model(cfg.stft, est_mag.device, pesq_compensate).loss(est_mag * w, clean_mag * w).sum()
@@ -137,6 +136,13 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
         if waveform[1]:
             sums.mrstft = mrstft_loss(est, ref).sum()
     return sums
+
+
+def check_pitch_filter_loss(cfg: ModelConfig) -> None:
+    """The pitch filter in the loss (`loss_sums`) needs a model config with one."""
+    if cfg.pitch_filter <= 0:
+        raise ValueError("the pitch filter in the loss (--pitch-filter-loss) needs a model with a pitch "
+                         "filter (config pitch_filter > 0, e.g. --init models/tim.pt)")
 
 
 def resynthesise(est_spec: torch.Tensor, clean_spec: torch.Tensor, w: torch.Tensor, cfg: STFTConfig):
