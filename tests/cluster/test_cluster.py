@@ -200,7 +200,11 @@ class Client:
     def check_complete(self) -> None:
         assert self.error is None, self.error
         assert self.y is not None and self.y.shape == self.x.shape
-        assert self.messages[-1] == {"type": "end", "samples": self.messages[-1]["samples"]}  # finished: 1000
+        end = self.messages[-1]  # finished normally (close 1000), not drained
+        assert end["type"] == "end" and set(end) == {"type", "samples"}
+        assert 0 <= end["samples"] <= len(self.x)  # the last session's output
+        if self.sessions == 1:
+            assert end["samples"] == len(self.x)
 
 
 async def start_streams(lb: Balancer, seconds: float, count: int, seed: int) -> tuple[list[Client], list[asyncio.Task]]:

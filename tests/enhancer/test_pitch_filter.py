@@ -63,7 +63,8 @@ def test_pitch_search_finds_the_period_and_matches_the_reference(f0):
     hists = np.stack([x[i * 300: i * 300 + n] for i in range(5)]).astype(np.float64)
     bases = (torch.from_numpy(a).double() for a in pf.correlation_bases(win))
     lag, voicing = pf.yin(torch.from_numpy(hists)[None], torch.from_numpy(win), *bases)
-    for h, got_lag, got_v in zip(hists, lag[0].numpy(), voicing[0].numpy()):
+    assert lag.shape == voicing.shape == (1, len(hists))
+    for h, got_lag, got_v in zip(hists, lag[0].numpy(), voicing[0].numpy(), strict=True):
         ref_lag, ref_v = yin_reference(h, win)
         assert got_lag == ref_lag
         assert got_v == pytest.approx(ref_v, rel=1e-5)  # (the DFT bases are float32 values)

@@ -232,7 +232,7 @@ def test_calibration_times_each_worker_and_stays_within_the_budget(clock):
     assert cap.calibrated and cap.budget_ms == pytest.approx(budget_ms)
     assert len(cap.per_worker) == 2 and all(0 <= n <= 8 for n in cap.per_worker)
     assert cap.streams == max(sum(cap.per_worker), 1)
-    for pool, p99 in zip(pools, cap.step_p99_ms):
+    for pool, p99 in zip(pools, cap.step_p99_ms, strict=True):
         assert pool.batches and 1 in p99  # each worker timed its own steps, from batch 1 up
         assert max(pool.batches) <= 16  # stopped at the first size over the budget
     assert calibration.calibrate([FakePool(clock)], HOP_S, 0.4, max_streams=3, reps=2).streams <= 3

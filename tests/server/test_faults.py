@@ -237,7 +237,6 @@ def test_reconnect_loop_1000_cycles(live_fault, enhancer_rt):
     srv.wait_idle()
     assert wait_until(lambda: not srv.server.server_state.connections and tasks() == 0, 10)
     fds0, rss0, opened0 = _fds(), _rss_mb(), srv.scheduler.opened
-    t = time.time()
     cycles(1000)
     srv.wait_idle()
     assert wait_until(lambda: not srv.server.server_state.connections and tasks() == 0, 10)
@@ -246,7 +245,6 @@ def test_reconnect_loop_1000_cycles(live_fault, enhancer_rt):
     assert _fds() - fds0 <= 2, f"{_fds() - fds0} descriptors left after 1000 cycles"
     grown = _rss_mb() - rss0
     assert grown < 25, f"memory grew by {grown:.0f} MB over 1000 cycles"
-    assert time.time() - t < 120
     assert_serves(srv, enhancer_rt)
 
 

@@ -13,7 +13,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from tests.conftest import speechlike
-from tests.tolerance import assert_close_to_peak
+from tests.tolerance import assert_close_to_peak, assert_differs
 
 LSB = 1 / 32768
 
@@ -186,7 +186,6 @@ def test_disconnect_mid_stream_frees_state(live):
     asyncio.run(run(4))  # warm-up: allocator and caches reach their working size
     live.wait_idle()
     rss0, opened0, audio0 = _rss_mb(), live.scheduler.opened, live.metrics.stream_seconds._value.get()
-    t = time.time()
     asyncio.run(run(20))
     live.wait_idle()
     assert live.scheduler.opened - opened0 == 200
@@ -196,7 +195,6 @@ def test_disconnect_mid_stream_frees_state(live):
     assert all(ledger.free == ledger.size and ledger.live == 0 for ledger in live.scheduler.ledgers)
     assert all(w.live_lanes == 0 for w in live.scheduler.workers)
     assert grown < 40, f"memory grew by {grown:.0f} MB over 200 disconnects"
-    assert time.time() - t < 60
 
 
 # ---------------------------------------------------------------------------------- bad input
@@ -449,7 +447,7 @@ def test_band_start_field(live, enhancer_rt, sr, channels):
         ref = enhancer_rt.enhance(mono(x), sr, 12, band=band or "full").reshape(x.shape)
         assert_close_to_peak(y, ref)
         if band == "speech":
-            assert np.abs(ref - enhancer_rt.enhance(mono(x), sr, 12).reshape(x.shape)).max() > 1e-3
+            assert_differs(ref, enhancer_rt.enhance(mono(x), sr, 12).reshape(x.shape))
 
 
 def test_bad_band_field(live):

@@ -325,6 +325,7 @@ def test_fit_with_augmentation_cosine_schedule_and_dev_selection(corpus, tiny_co
     with open(out / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     lrs = {int(r["step"]): float(r["lr"]) for r in rows if r["split"] == "train"}
+    assert sorted(lrs) == list(range(1, 7))  # --log-every 1, --max-steps 6
     for step, lr in lrs.items():  # the row of step s is written after the update that used cosine_lr(s - 1)
         assert lr == pytest.approx(cosine_lr(step - 1, 1e-3, 2, 6, 1e-5), rel=1e-3)
     dev_rows = [r for r in rows if r["split"] == "dev_pesq_wb"]

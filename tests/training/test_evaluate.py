@@ -48,6 +48,7 @@ def test_identical_folders_score_perfectly_and_match_direct_calls(tiny_onnx, tmp
     assert summary["noisy"]["si_sdr"] > 100 and summary["noisy"]["stoi"] > 0.999
     assert set(summary["enhanced"]) == {"pesq_wb", "stoi", "estoi", "si_sdr"}
     rows = read_rows(out)
+    assert set(rows) == {"f0.wav", "f1.wav"}
     for name, row in rows.items():
         ref, _ = sf.read(str(clean / name), dtype="float32")
         enh, sr = sf.read(str(out / "enhanced" / name), dtype="float32")
@@ -185,6 +186,7 @@ def test_eval_oracle_scores_the_ideal_gain(tmp_path, capsys):
     assert summary["model"] == "oracle (ideal gain)" and summary["files"] == 2
     assert summary["enhanced"]["pesq_wb"] > summary["noisy"]["pesq_wb"] + 1.0
     rows = read_rows(out)
+    assert set(rows) == {"f0.wav", "f1.wav"}
     for name, row in rows.items():
         ref, _ = sf.read(str(clean / name), dtype="float32")
         enh, _ = sf.read(str(out / "enhanced" / name), dtype="float32")
