@@ -13,7 +13,7 @@ KEYS = ("pesq_wb", "stoi", "si_sdr", "dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")
 
 def write_eval(folder, scores: dict[str, dict[str, float]], dnsmos: bool = True):
     folder.mkdir(parents=True)
-    keys = [k for k in KEYS if dnsmos or not k.startswith("dnsmos")]
+    keys = [k for k in KEYS if dnsmos or not k.startswith("dnsmos")] + (["speech_level"] if "speech_level" in next(iter(scores.values())) else [])
     with open(folder / "per_file.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["name", "seconds"] + [f"{t}_{k}" for k in keys for t in ("noisy", "enhanced")])
@@ -67,3 +67,19 @@ def test_reports_without_dnsmos_are_refused(tmp_path):
     ref, _ = population()
     with pytest.raises(DataError, match="DNSMOS"):
         read_eval(write_eval(tmp_path / "r", ref, dnsmos=False))
+
+
+def test_the_speech_level_is_reported_beside_when_both_reports_carry_it(tmp_path, capsys):
+    ref, cand = population(pesq=0.02, ovrl=0.05)
+    old_r, old_c = write_eval(tmp_path / "old-r", ref), write_eval(tmp_path / "old-c", cand)  # reports from before it
+    for i, k in enumerate(sorted(ref)):
+        ref[k]["speech_level"] = -3.0 - 0.01 * i
+        cand[k]["speech_level"] = ref[k]["speech_level"] + 1.0
+    r, c = write_eval(tmp_path / "r", ref), write_eval(tmp_path / "c", cand)
+    d = decide(read_eval(r), read_eval(c))
+    assert d.ship and d.differences["speech_level"][:2] == pytest.approx((1.0, 1.0), abs=1e-6)
+    assert main(["compare", "--reference", str(r), "--candidate", str(c)]) == 0
+    assert "| Speech level (dB) | +1.00 | [+1.00, +1.00] | 60 |" in capsys.readouterr().out
+    assert decide(read_eval(old_r), read_eval(old_c)).differences["speech_level"] is None
+    assert main(["compare", "--reference", str(old_r), "--candidate", str(old_c)]) == 0
+    assert "Speech level" not in capsys.readouterr().out

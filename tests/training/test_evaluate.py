@@ -15,7 +15,7 @@ from tests.conftest import speechlike
 from tests.tolerance import assert_close_to_peak, assert_differs
 from training.cli import main
 from training.defaults import default_dnsmos_dir
-from training.evaluation.metrics import si_sdr
+from training.evaluation.metrics import SPEECH_LEVEL_FLOOR_DB, si_sdr, speech_level
 
 DNSMOS_DIR = default_dnsmos_dir()
 needs_dnsmos = pytest.mark.skipif(DNSMOS_DIR is None, reason="../shared/data/dnsmos not present")
@@ -46,7 +46,8 @@ def test_identical_folders_score_perfectly_and_match_direct_calls(tiny_onnx, tmp
     assert summary["files"] == 2
     assert summary["noisy"]["pesq_wb"] == pytest.approx(4.644, abs=0.01)
     assert summary["noisy"]["si_sdr"] > 100 and summary["noisy"]["stoi"] > 0.999
-    assert set(summary["enhanced"]) == {"pesq_wb", "stoi", "estoi", "si_sdr"}
+    assert set(summary["enhanced"]) == {"pesq_wb", "stoi", "estoi", "si_sdr", "speech_level"}
+    assert summary["noisy"]["speech_level"] == pytest.approx(0.0, abs=1e-3)
     rows = read_rows(out)
     assert set(rows) == {"f0.wav", "f1.wav"}
     for name, row in rows.items():
@@ -57,6 +58,7 @@ def test_identical_folders_score_perfectly_and_match_direct_calls(tiny_onnx, tmp
         assert float(row["enhanced_stoi"]) == pytest.approx(stoi(ref, enh, 16000), abs=1e-3)
         assert float(row["enhanced_estoi"]) == pytest.approx(stoi(ref, enh, 16000, extended=True), abs=1e-3)
         assert float(row["enhanced_si_sdr"]) == pytest.approx(si_sdr(ref, enh), abs=1e-3)
+        assert float(row["enhanced_speech_level"]) == pytest.approx(speech_level(ref, enh), abs=1e-3)
     md = (out / "summary.md").read_text()
     assert "| PESQ-WB | 4.64" in md and "| metric | noisy | enhanced | change |" in md
 
@@ -83,6 +85,21 @@ def test_si_sdr_properties():
     n = np.random.default_rng(0).standard_normal(len(x)).astype(np.float32)
     n *= np.sqrt(np.var(x) / np.var(n)) / 10 ** (10 / 20)
     assert si_sdr(x, x + n) == pytest.approx(10.0, abs=0.2)
+
+
+def test_speech_level_properties():
+    x = speechlike(32000, seed=2)
+    assert speech_level(x, x) == pytest.approx(0.0, abs=1e-9)
+    assert speech_level(x, 0.5 * x) == pytest.approx(20 * np.log10(0.5), abs=1e-6)  # -6.02 dB
+    # noise uncorrelated with the speech does not count: 0.5 x plus noise as loud as the speech
+    n = np.random.default_rng(3).standard_normal(len(x)) * np.std(x)
+    n -= (n @ x) / (x @ x) * x  # exactly orthogonal to x
+    assert speech_level(x, 0.5 * x + n) == pytest.approx(20 * np.log10(0.5), abs=1e-6)
+    # a longer output is cropped to the reference (as every metric here); none of it, or its inverse, hits the floor
+    assert speech_level(x, np.concatenate([0.25 * x, n])) == pytest.approx(20 * np.log10(0.25), abs=1e-6)
+    assert speech_level(x, np.zeros_like(x)) == SPEECH_LEVEL_FLOOR_DB
+    assert speech_level(x, -x) == SPEECH_LEVEL_FLOOR_DB
+    assert np.isnan(speech_level(np.zeros_like(x), x))
 
 
 def test_streaming_and_checkpoint_agree_with_offline_onnx(tiny_ckpt, tiny_onnx, tmp_path):

@@ -141,6 +141,28 @@ def test_noisy_identity_scores_pesq_max_in_a_worker_process(tmp_path):
         assert row["si_sdr"] > 60
 
 
+class Halver(Peer):
+    """Returns its input at half the level (6 dB quieter)."""
+
+    name = "halver"
+
+    def process(self, x):
+        return 0.5 * x
+
+
+def test_speech_level_reports_how_loud_each_peer_returns_the_speech(tmp_path, monkeypatch):
+    monkeypatch.setitem(PEERS, "halver", Halver)
+    pairs = _pairs(tmp_path)
+    results = run_benchmark(pairs, [PeerSpec("noisy"), PeerSpec("halver")], isolate=False)
+    for res, level in zip(results, (0.0, 20 * np.log10(0.5))):
+        assert [r["error"] for r in res["rows"]] == ["", ""]
+        for row in res["rows"]:
+            assert row["speech_level"] == pytest.approx(level, abs=1e-3)
+    halver = summarize(results)["peers"]["halver"]
+    assert halver["mean"]["speech_level"] == pytest.approx(-6.02, abs=0.01)
+    assert halver["mean"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)  # PESQ-WB does not see the level
+
+
 class Flaky(Peer):
     """Fails on the second file it sees (by length), passes the first through."""
 
@@ -207,17 +229,18 @@ def test_reports_have_the_right_shape(tmp_path, monkeypatch):
     paths = write_reports(results, tmp_path / "out", {"noisy": "n", "clean": "c"})
     rows = list(csv.DictReader(paths["csv"].open()))
     assert len(rows) == 2 and {r["snr"] for r in rows} == {"5", "10"}
-    assert set(rows[0]) >= {"peer", "file", "snr", "pesq_wb", "stoi", "estoi", "si_sdr", "rtf", "error"}
+    assert set(rows[0]) >= {"peer", "file", "snr", "pesq_wb", "stoi", "estoi", "si_sdr", "speech_level", "rtf", "error"}
     summary = json.loads(paths["json"].read_text())
     noisy = summary["peers"]["noisy"]
     assert summary["files"] == 2 and noisy["status"] == "ok"
-    assert set(noisy["mean"]) == {"pesq_wb", "stoi", "estoi", "si_sdr"}
+    assert set(noisy["mean"]) == {"pesq_wb", "stoi", "estoi", "si_sdr", "speech_level"}
     assert noisy["mean"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)
+    assert noisy["mean"]["speech_level"] == pytest.approx(0.0, abs=1e-4)
     assert set(noisy["by_snr"]) == {"5", "10"} and noisy["by_snr"]["5"]["files"] == 1
     assert noisy["rtf"] >= 0 and noisy["audio_seconds"] == pytest.approx(4.0)
     assert summary["peers"]["absent"]["status"] == "unavailable"
     md = paths["md"].read_text()
-    assert "| Peer | PESQ-WB | STOI | ESTOI | SI-SDR (dB) |" in md
+    assert "| Peer | PESQ-WB | STOI | ESTOI | SI-SDR (dB) | Speech level (dB) |" in md
     assert "## PESQ-WB per SNR bucket" in md and "| 5 dB | 10 dB | all |" in md
     assert "- absent: unavailable: not installed" in md
 
@@ -292,7 +315,7 @@ def test_dnsmos_is_reported_overall_per_snr_and_per_kind(tmp_path, monkeypatch):
     results = run_benchmark(pairs, [PeerSpec("noisy", dnsmos="judge")], isolate=False)
     paths = write_reports(results, tmp_path / "out")
     summary = json.loads(paths["json"].read_text())
-    assert summary["metrics"] == ["pesq_wb", "stoi", "estoi", "si_sdr", "dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl"]
+    assert summary["metrics"] == ["pesq_wb", "stoi", "estoi", "si_sdr", "speech_level", "dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl"]
     noisy = summary["peers"]["noisy"]
     levels = [10 * np.log10(np.mean(np.square(sf.read(p.noisy, dtype="float32")[0]))) for p in pairs]
     expected = [4.0 - (lv + 60.0) / 20.0 for lv in levels]
@@ -303,7 +326,7 @@ def test_dnsmos_is_reported_overall_per_snr_and_per_kind(tmp_path, monkeypatch):
     rows = list(csv.DictReader(paths["csv"].open()))
     assert float(rows[0]["dnsmos_sig"]) == pytest.approx(3.0)
     md = paths["md"].read_text()
-    assert "| Peer | PESQ-WB | STOI | ESTOI | SI-SDR (dB) | DNSMOS SIG | DNSMOS BAK | DNSMOS OVRL |" in md
+    assert "| Peer | PESQ-WB | STOI | ESTOI | SI-SDR (dB) | Speech level (dB) | DNSMOS SIG | DNSMOS BAK | DNSMOS OVRL |" in md
     assert "## DNSMOS BAK per SNR bucket" in md and "## DNSMOS OVRL per SNR bucket" in md
     assert "music PESQ-WB | music STOI | music BAK | music OVRL" in md
 

@@ -11,7 +11,7 @@ with speech damage through SIG):
 - **Shipping** (`decide`, `enhancer-train compare`): paired per file against the shipped model's
   eval report, 95 % bootstrap intervals; the candidate ships when the quality difference's interval
   lies above zero and neither PESQ-WB nor OVRL falls on its own (each mean difference >= -`TIE`).
-  SIG, BAK, STOI and SI-SDR are reported beside it.
+  SIG, BAK, STOI, SI-SDR and the speech level are reported beside it.
 
 DNSMOS is a judge here, never a teacher: nothing trains on its outputs or gradients.
 """
@@ -30,8 +30,8 @@ from .metrics import LABELS
 
 TIE = 0.005  # differences smaller than this (PESQ-WB or OVRL, MOS points) are ties
 QUALITY = "quality"  # PESQ-WB + DNSMOS OVRL
-REPORTED = ("pesq_wb", "dnsmos_ovrl", "dnsmos_sig", "dnsmos_bak", "stoi", "si_sdr")
-DECIMALS = {"pesq_wb": 3, "dnsmos_ovrl": 3, "dnsmos_sig": 3, "dnsmos_bak": 3, "stoi": 4, "si_sdr": 2, QUALITY: 3}
+REPORTED = ("pesq_wb", "dnsmos_ovrl", "dnsmos_sig", "dnsmos_bak", "stoi", "si_sdr", "speech_level")
+DECIMALS = {"pesq_wb": 3, "dnsmos_ovrl": 3, "dnsmos_sig": 3, "dnsmos_bak": 3, "stoi": 4, "si_sdr": 2, "speech_level": 2, QUALITY: 3}
 
 
 def quality(pesq_wb: float, dnsmos_ovrl: float) -> float:
@@ -114,7 +114,7 @@ def report(decision: Decision) -> str:
 def add_compare(sub) -> None:
     p = sub.add_parser("compare", help="the shipping rule: a candidate's eval report against the shipped model's",
                        description="Paired per-file differences (95 % bootstrap intervals) of PESQ-WB + DNSMOS OVRL, "
-                                   "PESQ-WB, OVRL, SIG, BAK, STOI and SI-SDR between two `eval` reports on the same "
+                                   "PESQ-WB, OVRL, SIG, BAK, STOI, SI-SDR and the speech level between two `eval` reports on the same "
                                    "files, and whether the candidate ships: quality interval above zero, neither "
                                    f"PESQ-WB nor OVRL lower by more than {TIE:.3f}.")
     p.add_argument("--reference", type=Path, required=True, help="the shipped model's `eval --out` folder")

@@ -278,7 +278,7 @@ def markdown_table(summary: dict, keys) -> str:
 def add_eval(sub, dnsmos_dir: Path | None = None) -> None:
     """`eval`; `dnsmos_dir`: the default of --dnsmos (the CLI passes the models beside the checkout)."""
     p = sub.add_parser("eval", help="score a model on paired noisy/clean folders",
-                       description="Enhance noisy files and report PESQ-WB, STOI, ESTOI, SI-SDR and DNSMOS "
+                       description="Enhance noisy files and report PESQ-WB, STOI, ESTOI, SI-SDR, the speech level and DNSMOS "
                                    "for the noisy input and the enhanced output.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", type=Path, help="exported .onnx model or training checkpoint (.pt)")

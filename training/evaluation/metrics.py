@@ -1,4 +1,5 @@
-"""Intrusive quality metrics at 16 kHz: wideband PESQ (ITU-T P.862.2), STOI, ESTOI, SI-SDR.
+"""Intrusive quality metrics at 16 kHz: wideband PESQ (ITU-T P.862.2), STOI, ESTOI, SI-SDR, and the
+level at which the reference speech comes back.
 
 All take the clean reference first and the signal to score second, float (n,) arrays of equal
 length at 16 kHz (`align` crops two signals to the shorter).
@@ -11,12 +12,13 @@ import numpy as np
 
 from enhancer.config import SAMPLE_RATE
 
-INTRUSIVE = ("pesq_wb", "stoi", "estoi", "si_sdr")  # the keys of `intrusive`, in report order
+INTRUSIVE = ("pesq_wb", "stoi", "estoi", "si_sdr", "speech_level")  # the keys of `intrusive`, in report order
 DNSMOS_KEYS = ("dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")  # training.evaluation.dnsmos, as eval reports it
 # How every report (eval, bench-peers, ablation) names the metrics.
-LABELS = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "estoi": "ESTOI", "si_sdr": "SI-SDR (dB)",
+LABELS = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "estoi": "ESTOI", "si_sdr": "SI-SDR (dB)", "speech_level": "Speech level (dB)",
           "dnsmos_sig": "DNSMOS SIG", "dnsmos_bak": "DNSMOS BAK", "dnsmos_ovrl": "DNSMOS OVRL"}
 SI_SDR_CEILING_DB = 200.0  # identical signals score this instead of +inf
+SPEECH_LEVEL_FLOOR_DB = -100.0  # a signal holding none of the reference (or only its inverse) scores this
 
 
 def align(ref: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -38,6 +40,20 @@ def si_sdr(ref: np.ndarray, est: np.ndarray) -> float:
     if n <= t * 10.0 ** (-SI_SDR_CEILING_DB / 10.0):
         return SI_SDR_CEILING_DB
     return 10.0 * math.log10(t / n) if t > 0 else -SI_SDR_CEILING_DB
+
+
+def speech_level(ref: np.ndarray, est: np.ndarray) -> float:
+    """The level of the reference speech found in `est`, in dB against the reference itself:
+    20 log10(<est, ref> / <ref, ref>), the gain of `est`'s projection on `ref`. 0 dB: the speech comes
+    back at its own level; -3 dB: 3 dB quieter (attenuated, or partly removed with the noise). Noise
+    uncorrelated with the speech does not count. NaN for a silent reference."""
+    ref, est = align(ref, est)
+    energy = float(ref @ ref)
+    if energy <= 0.0:
+        return float("nan")
+    gain = float(est @ ref) / energy
+    floor = 10.0 ** (SPEECH_LEVEL_FLOOR_DB / 20.0)
+    return 20.0 * math.log10(gain) if gain > floor else SPEECH_LEVEL_FLOOR_DB
 
 
 def pesq_wb(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE) -> float:
@@ -65,4 +81,5 @@ def intrusive(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE) 
         "stoi": stoi(ref, deg, sample_rate),
         "estoi": stoi(ref, deg, sample_rate, extended=True),
         "si_sdr": si_sdr(ref, deg),
+        "speech_level": speech_level(ref, deg),
     }

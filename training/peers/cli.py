@@ -6,7 +6,7 @@
 Runs "noisy" (the unprocessed input, the reference row), "tim-enhancer" (default model
 `models/tim.onnx`) and every peer of `adapters.PEERS` that is installed (`pip install
 .[bench]`, or `make bench-peers`) on the same files, scores all of them with one scorer
-(`score.score`: PESQ-WB, STOI, ESTOI, SI-SDR, and DNSMOS SIG / BAK / OVRL) and writes `per_file.csv`, `summary.json` and `summary.md` to `--out`.
+(`score.score`: PESQ-WB, STOI, ESTOI, SI-SDR, the speech level, and DNSMOS SIG / BAK / OVRL) and writes `per_file.csv`, `summary.json` and `summary.md` to `--out`.
 Peers that are not installed, fail to load or fail on a file are reported, never fatal.
 
     enhancer-train bench-peers --list                       which peers can run here
@@ -37,7 +37,7 @@ def add_bench_peers(subparsers) -> argparse.ArgumentParser:
         "bench-peers", help="score the model next to peer denoisers on the same files",
         description="Side-by-side quality benchmark: tim-enhancer and peer denoisers (RNNoise, WebRTC NS, Speex, "
                     "NSNet2, DTLN, GTCRN, DeepFilterNet3, noisereduce) on the same noisy/clean pairs, one scorer "
-                    "(PESQ-WB, STOI, ESTOI, SI-SDR at 16 kHz, and DNSMOS P.835 SIG / BAK / OVRL). Peers come from "
+                    "(PESQ-WB, STOI, ESTOI, SI-SDR and the speech level at 16 kHz, and DNSMOS P.835 SIG / BAK / OVRL). Peers come from "
                     "`pip install .[bench]`.")
     p.add_argument("--noisy", type=Path, help="folder of noisy files")
     p.add_argument("--clean", type=Path, help="folder of clean references (same relative paths or names)")

@@ -1,6 +1,6 @@
 """Reports of the peer benchmark: per-file CSV, summary.json, summary.md.
 
-The metrics are the intrusive ones (PESQ-WB, STOI, ESTOI, SI-SDR) and, when the run scored them,
+The metrics are the intrusive ones (PESQ-WB, STOI, ESTOI, SI-SDR, the speech level) and, when the run scored them,
 DNSMOS SIG / BAK / OVRL, overall, per SNR and per noise kind. Means skip NaN scores (PESQ finds no utterance) and files a peer failed on; the table says when
 a peer was scored on fewer files than the others. RTF = enhancement wall time / audio duration,
 on one CPU thread (< 1 is faster than real time).
@@ -84,7 +84,7 @@ def markdown(summary: dict) -> str:
     judge = ", DNSMOS P.835 SIG / BAK / OVRL" if "dnsmos_ovrl" in metrics else ""
     out += [f"{n} noisy/clean pair(s){src}, every output aligned sample for sample with its input "
             f"(each peer's own delay removed) and scored by one scorer at {SCORE_RATE // 1000} kHz: "
-            f"PESQ-WB (ITU-T P.862.2), STOI, ESTOI, SI-SDR{judge}. RTF: enhancement time / audio time, "
+            f"PESQ-WB (ITU-T P.862.2), STOI, ESTOI, SI-SDR, the speech level{judge}. RTF: enhancement time / audio time, "
             "one CPU thread.", ""]
     load, cpus = summary.get("load_average"), summary.get("cpus")
     if load and cpus and max(load) > 0.5 * cpus:
@@ -96,7 +96,7 @@ def markdown(summary: dict) -> str:
         p = ran[k]
         d = p["mean"]["pesq_wb"] - ref
         files = f"{p['files_scored']}/{n}" if p["files_scored"] < n else str(n)
-        cells = [_fmt(p["mean"][m], 2 if m == "si_sdr" else 3) for m in metrics]
+        cells = [_fmt(p["mean"][m], 2 if m in ("si_sdr", "speech_level") else 3) for m in metrics]
         out.append(f"| {k} | " + " | ".join(cells) + f" | {'' if k == REFERENCE else _fmt(d, 2)} | "
                    f"{'' if k == REFERENCE else _fmt(p['rtf'], 3)} | {files} |")
     buckets = sorted({int(s) for p in ran.values() for s in p["by_snr"]})

@@ -1,4 +1,4 @@
-"""The one scorer of the peer benchmark: PESQ-WB, STOI, ESTOI and SI-SDR at 16 kHz, and DNSMOS
+"""The one scorer of the peer benchmark: PESQ-WB, STOI, ESTOI, SI-SDR and the speech level at 16 kHz, and DNSMOS
 P.835 SIG / BAK / OVRL when a DNSMOS model is given.
 
 `score(enhanced, clean, sr, dnsmos)` is the only entry point; it checks the alignment, resamples to
