@@ -15,7 +15,7 @@ from tests.conftest import speechlike
 from tests.tolerance import assert_close_to_peak, assert_differs
 from training.cli import main
 from training.defaults import default_dnsmos_dir
-from training.evaluation.metrics import SPEECH_LEVEL_FLOOR_DB, si_sdr, speech_level
+from training.evaluation.metrics import PESQ_WB_FLOOR, SPEECH_LEVEL_FLOOR_DB, pesq_wb, si_sdr, speech_level
 
 DNSMOS_DIR = default_dnsmos_dir()
 needs_dnsmos = pytest.mark.skipif(DNSMOS_DIR is None, reason="../shared/data/dnsmos not present")
@@ -85,6 +85,19 @@ def test_si_sdr_properties():
     n = np.random.default_rng(0).standard_normal(len(x)).astype(np.float32)
     n *= np.sqrt(np.var(x) / np.var(n)) / 10 ** (10 / 20)
     assert si_sdr(x, x + n) == pytest.approx(10.0, abs=0.2)
+
+
+def test_a_silent_output_scores_the_floor_not_the_ceiling_or_an_error():
+    x = speechlike(32000, seed=4)
+    silent = np.zeros_like(x)
+    assert pesq_wb(x, silent) == PESQ_WB_FLOOR  # the PESQ code itself fails on digital silence
+    assert pesq_wb(x, 1e-30 * x) == PESQ_WB_FLOOR
+    assert si_sdr(x, silent) == -200.0
+    assert speech_level(x, silent) == SPEECH_LEVEL_FLOOR_DB
+    # the floor is the scale's bottom: pure noise scores just above it, the reference itself at the top
+    noise = np.random.default_rng(0).standard_normal(len(x)).astype(np.float32)
+    assert PESQ_WB_FLOOR < pesq_wb(x, noise) < 1.2 and pesq_wb(x, x) == pytest.approx(4.644, abs=0.001)
+    assert np.isnan(pesq_wb(silent, x))  # no speech in the reference: nothing to score against
 
 
 def test_speech_level_properties():

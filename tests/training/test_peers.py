@@ -10,6 +10,7 @@ import soundfile as sf
 
 from tests.conftest import speechlike
 from training.data.manifests import DataError
+from training.evaluation.metrics import PESQ_WB_FLOOR
 from training.peers.adapters import PEERS, Peer, make_peer
 from training.peers.align import estimate_delay, fit, measure_delay, resample
 from training.peers.cli import add_bench_peers, cmd_bench_peers, peer_names
@@ -158,9 +159,39 @@ def test_speech_level_reports_how_loud_each_peer_returns_the_speech(tmp_path, mo
         assert [r["error"] for r in res["rows"]] == ["", ""]
         for row in res["rows"]:
             assert row["speech_level"] == pytest.approx(level, abs=1e-3)
-    halver = summarize(results)["peers"]["halver"]
+    summary = summarize(results)
+    halver = summary["peers"]["halver"]
     assert halver["mean"]["speech_level"] == pytest.approx(-6.02, abs=0.01)
     assert halver["mean"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)  # PESQ-WB does not see the level
+    assert halver["by_snr"]["5"]["speech_level_median"] == pytest.approx(-6.02, abs=0.01)
+    md = markdown(summary)
+    assert "## Speech level per SNR bucket (the median file, dB)" in md
+    assert "| halver | -6.02 | -6.02 | -6.02 |" in md and "| noisy | 0.00 | 0.00 | 0.00 |" in md
+
+
+def test_the_speech_level_median_is_not_pulled_down_by_a_removed_voice(tmp_path, monkeypatch):
+    class Muter(Peer):
+        """Halves the two short files, returns digital silence for the long one."""
+
+        name = "muter"
+
+        def process(self, x):
+            return 0.0 * x if len(x) > 40000 else 0.5 * x
+
+    monkeypatch.setitem(PEERS, "muter", Muter)
+    nd, cd = tmp_path / "noisy", tmp_path / "clean"
+    _pairs(tmp_path, names=("snr05_a.wav", "snr05_b.wav"), seconds=2.0)
+    x = speechlike(48000, seed=7)
+    sf.write(nd / "snr05_c.wav", x, 16000, subtype="FLOAT")
+    sf.write(cd / "snr05_c.wav", x, 16000, subtype="FLOAT")
+    [res] = run_benchmark(find_pairs(nd, cd), [PeerSpec("muter")], isolate=False)
+    assert [r["error"] for r in res["rows"]] == ["", "", ""]  # the removed voice is scored, not a failure
+    muted = res["rows"][2]
+    assert muted["file"] == "snr05_c.wav" and muted["pesq_wb"] == PESQ_WB_FLOOR and muted["si_sdr"] == -200.0
+    muter = summarize([res])["peers"]["muter"]
+    assert muter["mean"]["speech_level"] == pytest.approx((2 * -6.02 - 100.0) / 3, abs=0.01)
+    assert muter["mean"]["speech_level_median"] == pytest.approx(-6.02, abs=0.01)
+    assert muter["by_snr"]["5"]["speech_level_median"] == pytest.approx(-6.02, abs=0.01)
 
 
 class Flaky(Peer):
@@ -233,7 +264,7 @@ def test_reports_have_the_right_shape(tmp_path, monkeypatch):
     summary = json.loads(paths["json"].read_text())
     noisy = summary["peers"]["noisy"]
     assert summary["files"] == 2 and noisy["status"] == "ok"
-    assert set(noisy["mean"]) == {"pesq_wb", "stoi", "estoi", "si_sdr", "speech_level"}
+    assert set(noisy["mean"]) == {"pesq_wb", "stoi", "estoi", "si_sdr", "speech_level", "speech_level_median"}
     assert noisy["mean"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)
     assert noisy["mean"]["speech_level"] == pytest.approx(0.0, abs=1e-4)
     assert set(noisy["by_snr"]) == {"5", "10"} and noisy["by_snr"]["5"]["files"] == 1

@@ -17,7 +17,10 @@ DNSMOS_KEYS = ("dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")  # training.evaluation
 # How every report (eval, bench-peers, ablation) names the metrics.
 LABELS = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "estoi": "ESTOI", "si_sdr": "SI-SDR (dB)", "speech_level": "Speech level (dB)",
           "dnsmos_sig": "DNSMOS SIG", "dnsmos_bak": "DNSMOS BAK", "dnsmos_ovrl": "DNSMOS OVRL"}
-SI_SDR_CEILING_DB = 200.0  # identical signals score this instead of +inf
+SI_SDR_CEILING_DB = 200.0  # identical signals score this instead of +inf; a silent estimate scores its negative
+# P.862.2's MOS-LQO of the lowest raw PESQ (-0.5): 0.999 + 4 / (1 + exp(1.3669 * 0.5 + 3.8224)). What an
+# output that is silent (or too quiet for the PESQ code, below about 1e-20 of the reference) scores.
+PESQ_WB_FLOOR = 1.0427
 SPEECH_LEVEL_FLOOR_DB = -100.0  # a signal holding none of the reference (or only its inverse) scores this
 
 
@@ -37,9 +40,11 @@ def si_sdr(ref: np.ndarray, est: np.ndarray) -> float:
     target = (float(est @ ref) / energy) * ref
     noise = est - target
     t, n = float(target @ target), float(noise @ noise)
+    if t <= 0.0:  # a silent estimate, or one orthogonal to the reference, holds none of it
+        return -SI_SDR_CEILING_DB
     if n <= t * 10.0 ** (-SI_SDR_CEILING_DB / 10.0):
         return SI_SDR_CEILING_DB
-    return 10.0 * math.log10(t / n) if t > 0 else -SI_SDR_CEILING_DB
+    return 10.0 * math.log10(t / n)
 
 
 def speech_level(ref: np.ndarray, est: np.ndarray) -> float:
@@ -57,7 +62,9 @@ def speech_level(ref: np.ndarray, est: np.ndarray) -> float:
 
 
 def pesq_wb(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE) -> float:
-    """Wideband PESQ (MOS-LQO, 1.04..4.64) via the `pesq` package; NaN if no speech is found."""
+    """Wideband PESQ (MOS-LQO, 1.04..4.64) via the `pesq` package; NaN if the reference holds no
+    speech; `PESQ_WB_FLOOR` for a silent output (the PESQ code fails on one: an enhancer that removes
+    everything must score the worst, not drop out of the means)."""
     from pesq import NoUtterancesError, pesq
 
     ref, deg = align(ref, deg)
@@ -65,6 +72,10 @@ def pesq_wb(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE) ->
         return float(pesq(sample_rate, ref, deg, "wb"))
     except NoUtterancesError:
         return float("nan")
+    except ValueError:
+        if np.max(np.abs(deg), initial=0.0) <= 1e-20 * np.max(np.abs(ref), initial=0.0):
+            return PESQ_WB_FLOOR
+        raise
 
 
 def stoi(ref: np.ndarray, deg: np.ndarray, sample_rate: int = SAMPLE_RATE, extended: bool = False) -> float:

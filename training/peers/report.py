@@ -1,7 +1,9 @@
 """Reports of the peer benchmark: per-file CSV, summary.json, summary.md.
 
 The metrics are the intrusive ones (PESQ-WB, STOI, ESTOI, SI-SDR, the speech level) and, when the run scored them,
-DNSMOS SIG / BAK / OVRL, overall, per SNR and per noise kind. Means skip NaN scores (PESQ finds no utterance) and files a peer failed on; the table says when
+DNSMOS SIG / BAK / OVRL, overall, per SNR and per noise kind; the speech level also as the median
+file's, overall and per SNR (`speech_level_median`: a few files whose voice is removed pull a mean in
+dB far down). Means skip NaN scores (PESQ finds no utterance) and files a peer failed on; the table says when
 a peer was scored on fewer files than the others. RTF = enhancement wall time / audio duration,
 on one CPU thread (< 1 is faster than real time).
 """
@@ -28,6 +30,11 @@ def _mean(values) -> float:
     return float(np.mean(v)) if v else math.nan
 
 
+def _median(values) -> float:
+    v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(np.median(v)) if v else math.nan
+
+
 def scored_metrics(results: list[dict]) -> tuple[str, ...]:
     """The metrics at least one file of one peer has a number for, in report order."""
     rows = [r for res in results for r in res.get("rows", []) if not r.get("error")]
@@ -39,7 +46,10 @@ def summarize(results: list[dict], meta: dict | None = None) -> dict:
     metrics = scored_metrics(results)
 
     def _means(rows: list[dict]) -> dict[str, float]:
-        return {m: _mean(r.get(m) for r in rows) for m in metrics}
+        out = {m: _mean(r.get(m) for r in rows) for m in metrics}
+        if "speech_level" in metrics:
+            out["speech_level_median"] = _median(r.get("speech_level") for r in rows)
+        return out
 
     peers = {}
     n_files = max((len(r["rows"]) for r in results), default=0)
@@ -108,6 +118,14 @@ def markdown(summary: dict) -> str:
             p = ran[k]
             cells = [_fmt(p["by_snr"].get(str(b), {}).get(m)) for b in buckets]
             out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'][m])} |")
+    if buckets and "speech_level" in metrics:
+        out += ["", "## Speech level per SNR bucket (the median file, dB)", "",
+                "| Peer | " + " | ".join(f"{b} dB" for b in buckets) + " | all |",
+                "|---|" + "---:|" * (len(buckets) + 1)]
+        for k in order:
+            p = ran[k]
+            cells = [_fmt(p["by_snr"].get(str(b), {}).get("speech_level_median"), 2) for b in buckets]
+            out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'].get('speech_level_median'), 2)} |")
     if buckets and any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
         out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
     kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
