@@ -25,13 +25,17 @@ REFERENCE = "noisy"
 DNSMOS_TABLES = ("dnsmos_bak", "dnsmos_ovrl")  # per-SNR tables besides PESQ-WB's, when scored
 
 
+def _scored(values) -> list:
+    return [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+
+
 def _mean(values) -> float:
-    v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    v = _scored(values)
     return float(np.mean(v)) if v else math.nan
 
 
 def _median(values) -> float:
-    v = [x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    v = _scored(values)
     return float(np.median(v)) if v else math.nan
 
 
@@ -110,22 +114,17 @@ def markdown(summary: dict) -> str:
         out.append(f"| {k} | " + " | ".join(cells) + f" | {'' if k == REFERENCE else _fmt(d, 2)} | "
                    f"{'' if k == REFERENCE else _fmt(p['rtf'], 3)} | {files} |")
     buckets = sorted({int(s) for p in ran.values() for s in p["by_snr"]})
-    for m in ("pesq_wb", *(t for t in DNSMOS_TABLES if t in metrics)) if buckets else ():
-        out += ["", f"## {LABELS[m]} per SNR bucket", "",
+    tables = [(m, f"{LABELS[m]} per SNR bucket", 3) for m in ("pesq_wb", *(t for t in DNSMOS_TABLES if t in metrics))]
+    if "speech_level" in metrics:
+        tables.append(("speech_level_median", "Speech level per SNR bucket (the median file, dB)", 2))
+    for key, title, digits in tables if buckets else ():
+        out += ["", f"## {title}", "",
                 "| Peer | " + " | ".join(f"{b} dB" for b in buckets) + " | all |",
                 "|---|" + "---:|" * (len(buckets) + 1)]
         for k in order:
             p = ran[k]
-            cells = [_fmt(p["by_snr"].get(str(b), {}).get(m)) for b in buckets]
-            out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'][m])} |")
-    if buckets and "speech_level" in metrics:
-        out += ["", "## Speech level per SNR bucket (the median file, dB)", "",
-                "| Peer | " + " | ".join(f"{b} dB" for b in buckets) + " | all |",
-                "|---|" + "---:|" * (len(buckets) + 1)]
-        for k in order:
-            p = ran[k]
-            cells = [_fmt(p["by_snr"].get(str(b), {}).get("speech_level_median"), 2) for b in buckets]
-            out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'].get('speech_level_median'), 2)} |")
+            cells = [_fmt(p["by_snr"].get(str(b), {}).get(key), digits) for b in buckets]
+            out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'].get(key), digits)} |")
     if buckets and any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
         out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
     kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
