@@ -326,16 +326,18 @@ def test_reports_break_down_by_noise_kind(tmp_path):
     noisy = json.loads(paths["json"].read_text())["peers"]["noisy"]
     assert {k: v["files"] for k, v in noisy["by_kind"].items()} == {"music": 1, "babble": 1, "real": 1}
     assert noisy["by_kind"]["music"]["pesq_wb"] == pytest.approx(4.64, abs=0.01)  # noisy == clean here
-    assert "| Peer | music PESQ-WB | music STOI | babble PESQ-WB | babble STOI | real PESQ-WB | real STOI |" in \
-        paths["md"].read_text()
+    md = paths["md"].read_text()
+    assert "## PESQ-WB per noise kind (from the file names)\n\n| Peer | music | babble | real | all |" in md
+    assert "## STOI per noise kind (from the file names)" in md and "DNSMOS" not in md
 
 
 class LevelJudge:
-    """A stand-in for DNSMOS: BAK falls with the level of the signal (a louder residue rates lower)."""
+    """A stand-in for DNSMOS: BAK falls with the level of the signal (a louder residue rates lower), SIG
+    rises with it."""
 
     def score(self, audio):
         level_db = 10 * np.log10(np.mean(np.square(audio)) + 1e-12)
-        return {"sig": 3.0, "bak": 4.0 - (level_db + 60.0) / 20.0, "ovrl": 2.5}
+        return {"sig": 3.0 + (level_db + 60.0) / 40.0, "bak": 4.0 - (level_db + 60.0) / 20.0, "ovrl": 2.5}
 
 
 def test_dnsmos_is_reported_overall_per_snr_and_per_kind(tmp_path, monkeypatch):
@@ -355,11 +357,16 @@ def test_dnsmos_is_reported_overall_per_snr_and_per_kind(tmp_path, monkeypatch):
     assert noisy["by_kind"]["babble"]["dnsmos_bak"] == pytest.approx(expected[1], rel=1e-4)
     assert noisy["mean"]["dnsmos_ovrl"] == pytest.approx(2.5)
     rows = list(csv.DictReader(paths["csv"].open()))
-    assert float(rows[0]["dnsmos_sig"]) == pytest.approx(3.0)
+    sig = [3.0 + (lv + 60.0) / 40.0 for lv in levels]
+    assert float(rows[0]["dnsmos_sig"]) == pytest.approx(sig[0], rel=1e-4)
     md = paths["md"].read_text()
     assert "| Peer | PESQ-WB | STOI | ESTOI | SI-SDR (dB) | Speech level (dB) | DNSMOS SIG | DNSMOS BAK | DNSMOS OVRL |" in md
-    assert "## DNSMOS BAK per SNR bucket" in md and "## DNSMOS OVRL per SNR bucket" in md
-    assert "music PESQ-WB | music STOI | music BAK | music OVRL" in md
+    for judged in ("SIG", "BAK", "OVRL"):
+        assert f"## DNSMOS {judged} per SNR bucket" in md and f"## DNSMOS {judged} per noise kind" in md
+    # the tables carry the numbers: SIG per SNR (5, 10 dB, all), BAK per kind (music, babble, all)
+    assert f"| noisy | {sig[0]:.3f} | {sig[1]:.3f} | {np.mean(sig):.3f} |" in md.split("## DNSMOS SIG per SNR")[1]
+    assert f"| noisy | {expected[0]:.3f} | {expected[1]:.3f} | {np.mean(expected):.3f} |" in \
+        md.split("## DNSMOS BAK per noise kind")[1]
 
 
 def test_dnsmos_folder_from_the_flags(tmp_path):

@@ -22,7 +22,7 @@ from .score import ALL_METRICS, SCORE_RATE
 
 CSV_COLUMNS = ("peer", "file", "snr", "seconds", "enhance_seconds", "rtf", *ALL_METRICS, "error")
 REFERENCE = "noisy"
-DNSMOS_TABLES = ("dnsmos_bak", "dnsmos_ovrl")  # per-SNR tables besides PESQ-WB's, when scored
+DNSMOS_TABLES = ("dnsmos_sig", "dnsmos_bak", "dnsmos_ovrl")  # per-SNR and per-kind tables besides PESQ-WB's, when scored
 
 
 def _scored(values) -> list:
@@ -114,30 +114,27 @@ def markdown(summary: dict) -> str:
         out.append(f"| {k} | " + " | ".join(cells) + f" | {'' if k == REFERENCE else _fmt(d, 2)} | "
                    f"{'' if k == REFERENCE else _fmt(p['rtf'], 3)} | {files} |")
     buckets = sorted({int(s) for p in ran.values() for s in p["by_snr"]})
-    tables = [(m, f"{LABELS[m]} per SNR bucket", 3) for m in ("pesq_wb", *(t for t in DNSMOS_TABLES if t in metrics))]
+    dnsmos = tuple(t for t in DNSMOS_TABLES if t in metrics)
+    tables = [("by_snr", m, f"{LABELS[m]} per SNR bucket", 3) for m in ("pesq_wb", *dnsmos)]
     if "speech_level" in metrics:
-        tables.append(("speech_level_median", "Speech level per SNR bucket (the median file, dB)", 2))
-    for key, title, digits in tables if buckets else ():
-        out += ["", f"## {title}", "",
-                "| Peer | " + " | ".join(f"{b} dB" for b in buckets) + " | all |",
-                "|---|" + "---:|" * (len(buckets) + 1)]
+        tables.append(("by_snr", "speech_level_median", "Speech level per SNR bucket (the median file, dB)", 2))
+    kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
+    tables += [("by_kind", m, f"{LABELS[m]} per noise kind (from the file names)", 3)
+               for m in ("pesq_wb", "stoi", *dnsmos)] if kinds else []
+    for group, key, title, digits in tables:
+        columns = [str(b) for b in buckets] if group == "by_snr" else kinds
+        if not columns:
+            continue
+        heads = [f"{c} dB" for c in columns] if group == "by_snr" else columns
+        out += ["", f"## {title}", "", "| Peer | " + " | ".join(heads) + " | all |",
+                "|---|" + "---:|" * (len(columns) + 1)]
         for k in order:
             p = ran[k]
-            cells = [_fmt(p["by_snr"].get(str(b), {}).get(key), digits) for b in buckets]
+            cells = [_fmt(p.get(group, {}).get(c, {}).get(key), digits) for c in columns]
             out.append(f"| {k} | " + " | ".join(cells) + f" | {_fmt(p['mean'].get(key), digits)} |")
-    if buckets and any(sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
-        out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
-    kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
-    if kinds:
-        shown = ("pesq_wb", "stoi", *(t for t in DNSMOS_TABLES if t in metrics))
-        short = {"pesq_wb": "PESQ-WB", "stoi": "STOI", "dnsmos_bak": "BAK", "dnsmos_ovrl": "OVRL"}
-        out += ["", "## Per noise kind (from the file names)", "",
-                "| Peer | " + " | ".join(f"{k} {short[m]}" for k in kinds for m in shown) + " |",
-                "|---|" + "---:|" * (len(shown) * len(kinds))]
-        for k in order:
-            by = ran[k].get("by_kind", {})
-            cells = [_fmt(by.get(c, {}).get(m)) for c in kinds for m in shown]
-            out.append(f"| {k} | " + " | ".join(cells) + " |")
+        if group == "by_snr" and key == "pesq_wb" and any(
+                sum(b["files"] for b in p["by_snr"].values()) < p["files_scored"] for p in ran.values()):
+            out += ["", "Files without an SNR in their name (or the manifest) count in \"all\" only."]
     missing = {k: v for k, v in peers.items() if v["status"] != "ok"}
     if missing:
         out += ["", "## Not run", ""] + [f"- {k}: {v['status']}: {v['reason']}" for k, v in missing.items()]
