@@ -119,8 +119,7 @@ def markdown(summary: dict) -> str:
     if "speech_level" in metrics:
         tables.append(("by_snr", "speech_level_median", "Speech level per SNR bucket (the median file, dB)", 2))
     kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
-    tables += [("by_kind", m, f"{LABELS[m]} per noise kind (from the file names)", 3)
-               for m in ("pesq_wb", "stoi", *dnsmos)] if kinds else []
+    tables += [("by_kind", m, f"{LABELS[m]} per noise kind (from the file names)", 3) for m in ("pesq_wb", "stoi", *dnsmos)]
     for group, key, title, digits in tables:
         columns = [str(b) for b in buckets] if group == "by_snr" else kinds
         if not columns:
