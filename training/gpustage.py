@@ -7,8 +7,9 @@ all; it has no network and a few minutes of device time. So `prepare` does the s
     python -m training.gpustage prepare --data ../enhancer-data --out gpu-carry -- <fit flags>
 
 packs the corpus (`enhancer-train pack`: the speech lossless, noise and music as Opus at quality
-0.8, 56 kbit/s; `--hours`, default `HOURS`: 2 h of the speech, all 3.7 h of the noise and 1.5 h of
-the music, 251 MiB, 11 pieces of 24.8 MiB, 2.5 minutes on the 2-core EPYC), tars it, splits the tar
+0.8, 56 kbit/s; by default (`HOURS`) 2 h of the speech, all 3.7 h of the noise and 1.5 h of the
+music, 251 MiB, 11 pieces of 24.8 MiB, 2.5 minutes on the 2-core EPYC; `--hours SET=H` caps one set
+instead of its default), tars it, splits the tar
 into `gpu-carry/piece-NN/part-NN` of at most `--piece-mb` MiB (default: what a call leaves beside
 the tree, less 4 MiB), adds to piece-00 the wheels the device's Python 3.12 lacks (soundfile, cffi,
 soxr; torch, numpy, scipy, tqdm are there) and the `--init` checkpoint (as float16) unless it is a
@@ -22,6 +23,10 @@ machine); the last also carries the plan and runs, with the system python,
 (`--minutes` shrinks to what `--budget` 15 device minutes leave after ~2 to start, ~0.5 per transfer
 call and 1 for the results and a margin: each piece costs about half a minute of training; these are
 estimates, so before the last call the device's status sets it: the minutes left less 1, at most 9).
+After another check in the same session, with the machine still warm, give `--budget` the minutes
+left plus the 2 of a start, and pack less: `--budget 11 --hours speech_train=1 --hours noise_train=2
+--hours music_train=0.75` packs 128 MiB in 6 pieces and leaves 5.5 minutes for the run (2.2 minutes
+on the 2-core EPYC Zen 4).
 
 It checks every piece (a missing or damaged one stops it at once, naming the call to repeat), joins
 and checks the tar, unpacks it, installs the wheels into `.gpu/site`, checks the imports and the
@@ -121,6 +126,12 @@ class Failure(Exception):
     pass
 
 
+def pack_hours(given: list[str] | None) -> list[str]:
+    """`pack --max-hours` pairs: `HOURS`, then `given` (pack keeps a set's last value, so each set
+    that `given` names takes its value there and every other set keeps its default)."""
+    return [*HOURS, *(given or ())]
+
+
 def tree_mib(root: Path = ROOT) -> float:
     """What every device call sends: tracked and untracked-not-ignored files (and shared/)."""
     try:
@@ -202,7 +213,7 @@ def prepare(a, fit_flags: list[str] | None = None) -> int:
     staging = Path(a.staging) if a.staging else out / "staging"
     if not a.staging:
         cmd = [sys.executable, "-m", "training.cli", "pack", "--data", str(a.data), "--out", str(staging), *PACK]
-        cmd += [x for h in (a.hours or HOURS) for x in ("--max-hours", h)]
+        cmd += [x for h in pack_hours(a.hours) for x in ("--max-hours", h)]
         cmd += ["--cache-dir", str(a.cache_dir)] if a.cache_dir else []
         subprocess.run(cmd, check=True, env=_env())
     index = json.loads((staging / "index.json").read_text())
@@ -486,7 +497,7 @@ def main(argv=None) -> int:
     q.add_argument("--data", type=Path, help="corpus root (as for fit --data)")
     q.add_argument("--staging", type=Path, help="an `enhancer-train pack` folder to carry instead of packing --data")
     q.add_argument("--out", type=Path, default=Path("gpu-carry"))
-    q.add_argument("--hours", action="append", metavar="SET=H", help=f"pack --max-hours (default {' '.join(HOURS)})")
+    q.add_argument("--hours", action="append", metavar="SET=H", help=f"pack --max-hours of a set, in place of its default ({' '.join(HOURS)}); repeatable")
     q.add_argument("--piece-mb", type=float, help="MiB per piece (default: 64 less the tree less 4, at most 60)")
     q.add_argument("--init", default="models/tim.pt", help="starting checkpoint ('' for none)")
     q.add_argument("--wheels", type=Path, help="a folder of cp312 wheels to carry instead of downloading them")

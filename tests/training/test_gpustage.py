@@ -226,3 +226,18 @@ def test_a_signal_after_fit_printed_its_result_loses_nothing(carried, tmp_path, 
     assert summary["status"] == status and rc == (0 if status == "ok" else 1)
     assert summary["fit"]["returncode"] == returncode and summary["fit"]["result"]["step"] == 1
     assert (out / "gpustage.pt").is_file()
+
+
+def test_hours_replace_only_the_sets_they_name():
+    """`prepare --hours speech_train=1` caps the training speech and keeps every other set's default
+    (the validation sets' small caps above all), as `pack` reads its --max-hours pairs."""
+    from training.data.shards import _assignments
+
+    def caps(pairs):
+        return _assignments(pairs, "--max-hours", "SET=HOURS", float)
+
+    default = caps(gpustage.HOURS)
+    assert caps(gpustage.pack_hours(None)) == default
+    got = caps(gpustage.pack_hours(["speech_train=1", "noise_train=2"]))
+    assert got == {**default, "speech_train": 1.0, "noise_train": 2.0}
+    assert got["music_valid"] == default["music_valid"] < 1
