@@ -120,11 +120,11 @@ def markdown(summary: dict) -> str:
         tables.append(("by_snr", "speech_level_median", "Speech level per SNR bucket (the median file, dB)", 2))
     kinds = [k for k in KINDS if any(k in p.get("by_kind", {}) for p in ran.values())]
     tables += [("by_kind", m, f"{LABELS[m]} per noise kind (from the file names)", 3) for m in ("pesq_wb", "stoi", *dnsmos)]
+    layouts = {"by_snr": ([str(b) for b in buckets], [f"{b} dB" for b in buckets]), "by_kind": (kinds, kinds)}
     for group, key, title, digits in tables:
-        columns = [str(b) for b in buckets] if group == "by_snr" else kinds
+        columns, heads = layouts[group]
         if not columns:
             continue
-        heads = [f"{c} dB" for c in columns] if group == "by_snr" else columns
         out += ["", f"## {title}", "", "| Peer | " + " | ".join(heads) + " | all |",
                 "|---|" + "---:|" * (len(columns) + 1)]
         for k in order:
