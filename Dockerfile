@@ -3,7 +3,7 @@
 #   CUDA:           docker build -t tim-enhancer:gpu --build-arg DEVICE=gpu .
 #   run:            docker run --rm -p 8000:8000 tim-enhancer            (add --gpus all for the CUDA image)
 # The image holds the inference runtime and the service only (no torch), plus the shipped model; the
-# test and benchmark harness (server/tools/, training/peers/) stays out (.dockerignore, and the package
+# test and benchmark harness (tools/, training/peers/) stays out (.dockerignore, and the package
 # does not declare it).
 ARG DEVICE=cpu
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm

@@ -94,11 +94,11 @@ $(PEERS_STAMP): pyproject.toml
 bench-peers: $(PEERS_STAMP)
 	$(PEERS_BIN)/python -m training.peers --noisy $(BENCH_NOISY) --clean $(BENCH_CLEAN) --out $(BENCH_OUT) $(BENCH_ARGS)
 
-# `make gpu-check`: the model and the service under CUDA, measured (server/tools/gpu_check.py), with
+# `make gpu-check`: the model and the service under CUDA, measured (tools/gpu_check.py), with
 # the machine's own python3 and CUDA 13 libraries (the nvidia-* Python packages: onnxruntime's
 # preload_dlls finds them). onnxruntime-gpu and the serving dependencies go to $(GPU_SITE): from
 # $(GPU_CARRY) when it holds them (a machine without a package index: onnxruntime-gpu as
-# onnxruntime-gpu.tar.xz.part* and wheels/*.whl, made by `python -m server.tools.gpu_carry`), else
+# onnxruntime-gpu.tar.xz.part* and wheels/*.whl, made by `python -m tools.gpu_carry`), else
 # from the index. Results: $(GPU_OUT)/gpu-check.json.
 GPU_CARRY ?= gpu-serve
 GPU_SITE  ?= /tmp/tim-gpu-site
@@ -118,7 +118,7 @@ gpu-check:
 	else \
 		$(PYTHON) -m pip install -q --target $(GPU_SITE) $$($(PYTHON) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print(' '.join(r.split(';')[0].strip() for r in p['dependencies'] + p['optional-dependencies']['serve']))") httpx==0.28.1; \
 	fi; \
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(PYTHON) -m server.tools.gpu_check --out $(GPU_OUT) $(GPU_ARGS)
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(PYTHON) -m tools.gpu_check --out $(GPU_OUT) $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache

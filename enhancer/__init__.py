@@ -25,19 +25,19 @@ __all__ = [
 
 def build_model(config):
     """Torch module for a `ModelConfig` or preset name (imports torch)."""
-    from .model import build_model as _build
+    from .build.model import build_model as _build
 
     return _build(config)
 
 
 def save_checkpoint(model, config, path, **extra):
-    from .checkpoint import save_checkpoint as _save
+    from .build.checkpoint import save_checkpoint as _save
 
     return _save(model, config, path, **extra)
 
 
 def load_checkpoint(path, config=None):
-    from .checkpoint import load_checkpoint as _load
+    from .build.checkpoint import load_checkpoint as _load
 
     return _load(path, config)
 

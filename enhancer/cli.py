@@ -30,7 +30,7 @@ def _enhancer(model: str | None, device: str = "auto", preset: str | None = None
     check_device(device)  # `cuda` without CUDA is an error, as in `enhancer serve`, not a silent CPU run
     if preset:  # random weights, for speed measurements of a preset without a trained model (needs torch)
         from . import ModelConfig, build_model
-        from .export import export_step
+        from .build.export import export_step
 
         path = Path(tempfile.mkdtemp()) / f"{preset}{'-int8' if int8 else ''}.onnx"
         print(f"exporting preset {preset} with random weights{' (int8)' if int8 else ''} to {path}", file=sys.stderr,
@@ -100,9 +100,9 @@ def cmd_denoise(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from .checkpoint import load_checkpoint, save_checkpoint
-    from .export import MAX_REL_DIFF, export_step, round_to_fp16
-    from .quantize import MIN_PARITY_SNR_DB
+    from .build.checkpoint import load_checkpoint, save_checkpoint
+    from .build.export import MAX_REL_DIFF, export_step, round_to_fp16
+    from .build.quantize import MIN_PARITY_SNR_DB
 
     if not a.quiet:
         print(f"loading {a.checkpoint}", file=sys.stderr, flush=True)
@@ -183,14 +183,14 @@ def cmd_info(a) -> int:
     path = Path(a.model) if a.model else None
     exported_with = None  # the package version that wrote an .onnx model (its metadata), for people
     if path is not None and path.suffix in (".pt", ".ckpt", ".pth"):
-        from .checkpoint import load_checkpoint
-        from .model import count_parameters
+        from .build.checkpoint import load_checkpoint
+        from .build.model import count_parameters
 
         model = load_checkpoint(path)
         cfg, params, extra = model.config, count_parameters(model), {"versions": model.checkpoint.get("versions")}
     elif path is None and a.preset:
         from . import ModelConfig, build_model
-        from .model import count_parameters
+        from .build.model import count_parameters
 
         cfg = ModelConfig.preset(a.preset)
         params, extra = count_parameters(build_model(cfg)), {}

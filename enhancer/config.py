@@ -80,12 +80,12 @@ class ModelConfig:
     # are; > 1: a gain of 0.5 becomes 0.42 at 1.25, a gain near 1 stays near 1), which removes more of
     # the noise left under speech; the training objective is on the network's gains (`TIMNet.forward`)
     gain_exponent: float = 1.0
-    # the rise limit (`enhancer.model.postfilter`): in noisy streams, a network gain below
+    # the rise limit (`enhancer.build.model.postfilter`): in noisy streams, a network gain below
     # `rise_limit_gain` may not rise above the previous frame's gain in its bin (0: off)
     rise_limit_gain: float = 0.0
     rise_limit_snr_db: tuple[float, float] = (-6.0, 3.0)  # applied in full at or below the first, not at all from the second
     rise_limit_seconds: float = 0.5  # time constant of its running estimate of the stream's SNR
-    # the pitch filter (`enhancer.model.pitchfilter`): in voiced frames, the noisy spectrum is mixed
+    # the pitch filter (`enhancer.build.model.pitchfilter`): in voiced frames, the noisy spectrum is mixed
     # with the input one pitch period earlier before the gains apply; the mixing strength (0: off)
     pitch_filter: float = 0.0
     pitch_filter_voicing: float = 0.6  # frames whose pitch correlation is above this are voiced

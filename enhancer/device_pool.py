@@ -14,8 +14,8 @@ graph with static shapes, every buffer bound once, replayed as a CUDA graph unde
 the step is bound by kernel launches, not by the batch, and a replay is one launch.
 
 Same interface, same results as `LanePool` (tests/enhancer/test_device_pool.py steps both through
-the same calls on the CPU; `server/tools/gpu_check.py` does it under CUDA). Float key/value rings
-only: int8 rings (`enhancer.ringquant`) exist to save CPU memory bandwidth and stay on `LanePool`.
+the same calls on the CPU; `tools/gpu_check.py` does it under CUDA). Float key/value rings
+only: int8 rings (`enhancer.build.ringquant`) exist to save CPU memory bandwidth and stay on `LanePool`.
 `make_pool` picks the pool for an engine.
 """
 from __future__ import annotations

@@ -15,8 +15,8 @@ import numpy as np
 from .config import ModelConfig
 from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
-from .ringquant import RING_FORMATS
 from .step_io import (
+    RING_FORMATS,
     STEP_FORMAT,
     StepOutputs,
     init_rings,
@@ -166,7 +166,7 @@ class Engine:
 
     @property
     def int8_rings(self) -> bool:
-        """The key/value rings are int8, key rings transposed (`enhancer.ringquant`)."""
+        """The key/value rings are int8, key rings transposed (`enhancer.build.ringquant`)."""
         return self.ring_format == "int8"
 
     def run(self, hops: np.ndarray, min_gain: np.ndarray, pos: np.ndarray, caches: list[np.ndarray]) -> StepOutputs:

@@ -11,7 +11,7 @@ Every path runs the exported step graph, whose time axis is dynamic: a live stre
 already there -- a file, a block fed at once, a stream's backlog -- goes through in calls of up to
 `OFFLINE_FRAMES` hops, so every weight is read once per chunk instead of once per hop. Both give
 the same output (a graph with 8-bit key/value rings, as shipped: within their quantization,
-`enhancer.ringquant`). Above 16 kHz the band above 8 kHz is kept (`band="full"`, the default): delay-
+`enhancer.build.ringquant`). Above 16 kHz the band above 8 kHz is kept (`band="full"`, the default): delay-
 aligned with the enhanced low band and gained per hop by what the model does in its top bins and
 its speech activity (`enhancer.fullband`); `band="speech"` returns the model's band only. Per-stream state lives in a `LanePool`: batched cache arrays in which each stream
 (channel) owns a lane, and a stream's key/value rings are written in place.

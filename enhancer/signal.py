@@ -1,6 +1,6 @@
 """Signal path in numpy: windows, STFT/iSTFT, log-magnitude features, resampling, input checks.
 
-The torch twins live in `enhancer.model.features`; a test holds them equal. Framing convention
+The torch twins live in `enhancer.build.model.features`; a test holds them equal. Framing convention
 (shared with the streaming step): the signal is preceded by one hop of zeros, frame `n` covers
 padded samples `[n*hop, n*hop + n_fft)`, so frame 0 holds one hop of zeros and the first hop.
 """

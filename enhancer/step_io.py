@@ -1,4 +1,4 @@
-"""The step graph's I/O specification (see `enhancer.model.step`): the names, order and shapes of
+"""The step graph's I/O specification (see `enhancer.build.model.step`): the names, order and shapes of
 its inputs, outputs and per-stream caches, the decoder of its outputs (`StepOutputs`) and the one
 writer of its key/value rings (`write_rings`).
 
@@ -20,10 +20,11 @@ from .config import ModelConfig
 #    (B, T, n_tim, n_s), activity (B, T), kv_rows (B, H, 2N * T, dh) (that is (B, H, 2N, T, dh)
 #    flattened); pos is the first frame's index.
 STEP_FORMAT = "3"
+RING_FORMATS = ("float32", "int8")  # how the key/value rings are stored: float, or 8-bit (`enhancer.build.ringquant`)
 
 INPUTS = ("hops", "min_gain", "pos")  # then the caches (`cache_specs`)
 NEXT = "_next"  # an updated state cache is output as its input's name + NEXT
-PITCH_LAG_MAX = 320  # the pitch filter's longest lag, samples (`enhancer.model.pitchfilter.LAG_MAX`)
+PITCH_LAG_MAX = 320  # the pitch filter's longest lag, samples (`enhancer.build.model.pitchfilter.LAG_MAX`)
 
 
 def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -32,9 +33,9 @@ def state_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     specs = [("prev_hop", (cfg.stft.hop,)), ("spec_delay", (cfg.lookahead + 1, 2 * cfg.n_freqs))]
     specs += [(f"conv{i}", (cfg.kernel_size - 1, c)) for i, c in enumerate(dims)]
     specs.append(("ola", (cfg.stft.hop,)))
-    if cfg.rise_limit_gain > 0:  # the rise limit's state (`enhancer.model.postfilter`)
+    if cfg.rise_limit_gain > 0:  # the rise limit's state (`enhancer.build.model.postfilter`)
         specs += [("prev_gain", (cfg.n_freqs,)), ("energy", (2,))]
-    if cfg.pitch_filter > 0:  # the pitch filter's histories (`enhancer.model.pitchfilter`)
+    if cfg.pitch_filter > 0:  # the pitch filter's histories (`enhancer.build.model.pitchfilter`)
         history = PITCH_LAG_MAX + cfg.stft.n_fft
         specs += [("pitch_x", (history + (cfg.lookahead - 1) * cfg.stft.hop,)), ("pitch_y", (history - cfg.stft.hop,)),
                   ("pitch_ola", (cfg.stft.hop,))]
@@ -74,7 +75,7 @@ def init_rings(cfg: ModelConfig, batch: int = 1, dtype=np.float32) -> np.ndarray
     """Zeroed key/value rings for `batch` streams as one array (2N, B, H, W, dh): ring j is
     `rings[j]` (a contiguous view, graph input order), and one call's new rows are written with one
     assignment (`write_rings`). np.zeros: pages of lanes never used are never touched. int8 rings
-    (`enhancer.ringquant`) hold each key ring transposed in the same memory (`ring_views`)."""
+    (`enhancer.build.ringquant`) hold each key ring transposed in the same memory (`ring_views`)."""
     specs = ring_specs(cfg)
     return np.zeros((len(specs), batch) + specs[0][1], dtype=dtype)
 
@@ -133,11 +134,9 @@ def write_rings(rings, kv_rows, pos, window: int, lanes=None, keys_transposed: b
         offsets = np.arange(t)
         lanes = np.arange(pos.shape[0]) if lanes is None else np.asarray(lanes)
         rows = kv_rows.transpose(0, 3, 2, 1, 4)  # (k, T, 2N, H, dh)
-    else:
-        import torch
-
-        offsets = torch.arange(t)
-        lanes = torch.arange(pos.shape[0]) if lanes is None else torch.as_tensor(lanes)
+    else:  # a torch tensor (the build's parity checks): indices made alike, without importing torch here
+        offsets = pos.new_tensor(np.arange(t))
+        lanes = pos.new_tensor(np.arange(pos.shape[0]) if lanes is None else np.asarray(lanes))
         rows = kv_rows.permute(0, 3, 2, 1, 4)
     slots = (pos[:, None] + offsets[None, :]) % window  # (k, T)
     if not keys_transposed:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .settings import Settings
+from server.settings import Settings
 
 __all__ = ["Server", "Settings", "StartupError", "create_app", "run", "uvicorn_config"]
 _SERVING = ("Server", "StartupError", "uvicorn_config")
 
 
 def create_app(settings: Settings | None = None):
-    from .app import create_app as _create
+    from server.api.app import create_app as _create
 
     return _create(settings)
 
@@ -32,8 +32,7 @@ def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "au
     (max_upload_bytes, max_duration_s, idle_timeout_s, max_message_bytes, max_messages_per_s, cors_origins ...)."""
     from enhancer.errors import CheckpointError
     from enhancer.runtime import default_model_path
-
-    from .serving import serve
+    from server.serving import serve
 
     path = Path(model) if model is not None else default_model_path()
     if not path.is_file():
@@ -46,7 +45,7 @@ def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "au
 
 def __getattr__(name):
     if name in _SERVING:
-        from . import serving
+        from server import serving
 
         return getattr(serving, name)
     raise AttributeError(f"module 'server' has no attribute {name!r}")

@@ -47,8 +47,7 @@ def add_serve(sub) -> argparse.ArgumentParser:
 
 def cmd_serve(a) -> int:
     from enhancer.errors import EnhancerError
-
-    from . import run
+    from server import run
 
     try:
         run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
@@ -64,7 +63,7 @@ def cmd_serve(a) -> int:
 def add_step_server(sub) -> argparse.ArgumentParser:
     """Add `step-server` to the `enhancer` command's sub-parsers: the process that runs the model for
     several `enhancer serve --step-server` processes (server.stepserver)."""
-    from .stepserver import add_arguments
+    from server.stepserver import add_arguments
 
     s = sub.add_parser("step-server", help="run the model for several serve processes (one GPU, many front-ends)")
     add_arguments(s, DEVICES)
@@ -73,6 +72,6 @@ def add_step_server(sub) -> argparse.ArgumentParser:
 
 
 def cmd_step_server(a) -> int:
-    from .stepserver import run
+    from server.stepserver import run
 
     return run(a)

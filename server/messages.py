@@ -1,6 +1,6 @@
 """The service's typed protocol: where a job comes from (`Source`), the websocket start message
 (`StartMessage`, validated by pydantic like the REST parameters), and the events an inference
-worker reports about a live stream (`Late`, `OnTime`, `Gap`; `server.ws` turns them into JSON).
+worker reports about a live stream (`Late`, `OnTime`, `Gap`; `server.api.ws` turns them into JSON).
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from enhancer.config import SAMPLE_RATE
-
-from .audio_io import ENCODINGS
-from .errors import ErrorKind, ServiceError, StrEnum
+from server.api.audio_io import ENCODINGS
+from server.errors import ErrorKind, ServiceError, StrEnum
 
 
 class Source(StrEnum):

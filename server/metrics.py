@@ -4,8 +4,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .errors import KINDS
-from .messages import Source
+from server.errors import KINDS
+from server.messages import Source
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.032, 0.064, 0.1, 0.25, 0.5, 1.0)
@@ -35,7 +35,7 @@ class Metrics:
                                   buckets=LAG_BUCKETS, registry=r)
         self.gc_pause = Histogram("tim_gc_pause_seconds", "Duration of each collection of generation 1 or 2", ["generation"],
                                   buckets=LAG_BUCKETS, registry=r)
-        # admission (server.admission, server.capacity) and lateness of live streams (server.lateness)
+        # admission (server.scheduling.admission, server.scheduling.capacity) and lateness of live streams (server.scheduling.lateness)
         self.capacity = Gauge("tim_capacity_streams", "Live streams admitted at most (measured at start-up and "
                               "re-estimated while serving, or the capacity setting); tim_active_streams is the "
                               "live count", registry=r)

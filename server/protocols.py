@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 
-from .errors import too_large
+from server.errors import too_large
 
 log = logging.getLogger("tim_enhancer.server")
 

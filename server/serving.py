@@ -16,11 +16,10 @@ import socket
 import uvicorn
 
 from enhancer.errors import EnhancerError
-
-from . import drain
-from .errors import ErrorKind
-from .settings import Settings
-from .stalls import freeze_startup_objects
+from server import drain
+from server.errors import ErrorKind
+from server.settings import Settings
+from server.stalls import freeze_startup_objects
 
 log = logging.getLogger("tim_enhancer.server")
 
@@ -37,8 +36,8 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
     a bigger frame is refused from its header, before its payload is read, by the protocol layer
     with the same answer (`protocols.OversizeAnswer`). A connection buffers at most one message of
     about the limit."""
-    from .logs import log_config
-    from .protocols import protocol_classes
+    from server.logs import log_config
+    from server.protocols import protocol_classes
 
     metrics = getattr(getattr(app, "state", None), "metrics", None)
     on_stall = metrics.stalled.inc if metrics is not None else None
@@ -82,7 +81,7 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
         settings = self.app.state.settings
         if self.started and (self.agent_sock is not None or settings.agent_port is not None):
-            from .agent import Agent
+            from server.agent import Agent
 
             self.agent = Agent(self.app, self.agent_sock, self.config.host, settings.agent_port or 0)
             await self.agent.start()

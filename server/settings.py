@@ -24,7 +24,7 @@ class Settings:
     model: Path | None = None  # None: the shipped model (enhancer.runtime.default_model_path())
     device: str = "auto"  # auto (CUDA when present, else CPU), cpu or cuda
     # inference threads, each with its own lane pool on one shared onnxruntime session; None: one per
-    # CPU this process may use (affinity and cgroup quota, server.cpus) on the CPU, 1 with device "cuda"
+    # CPU this process may use (affinity and cgroup quota, server.scheduling.cpus) on the CPU, 1 with device "cuda"
     workers: int | None = None
     threads: int = 1  # onnxruntime intra-op threads per worker
     max_streams: int = 64  # concurrent websocket streams (1013 beyond)
@@ -32,12 +32,12 @@ class Settings:
     max_channels: int = 8  # channels of one stream or file
     max_batch_wait_ms: float = 12.0  # a ready hop may wait this long for other live streams to join its step
     # admission and lateness (server/README.md, "Capacity, admission and lateness")
-    capacity: int | None = None  # live streams admitted; None: measured at start-up (server.capacity)
+    capacity: int | None = None  # live streams admitted; None: measured at start-up (server.scheduling.capacity)
     capacity_margin: float = 0.3  # share of the 16 ms hop the step (median x tail factor) must leave free
     # the event loop's CPU per live stream and hop (receive, decode, send), reproduced while calibrating;
     # /readyz shows the figure measured while serving ("loop_ms_per_stream")
     loop_ms: float = 0.2
-    # a measured capacity follows the machine while serving (server.capacity.CapacityTracker): raised when
+    # a measured capacity follows the machine while serving (server.scheduling.capacity.CapacityTracker): raised when
     # the live steps leave the margin free for capacity_raise_s, lowered when they overrun the budget for
     # capacity_lower_s (never below the streams admitted); False: measured once at start-up
     capacity_follow: bool = True
@@ -67,7 +67,7 @@ class Settings:
 
     def __post_init__(self):
         if self.workers is None:  # frozen: the resolved default is set once, here
-            from .cpus import available_cpus
+            from server.scheduling.cpus import available_cpus
 
             one = self.device == "cuda" or self.step_server is not None
             object.__setattr__(self, "workers", 1 if one else available_cpus())

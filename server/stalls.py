@@ -1,6 +1,6 @@
 """What can hold up a live stream outside inference: event-loop lag and garbage-collector pauses.
 
-A websocket stream has about 64 ms of slack per message (see `server.tools.loadtest`); the event loop
+A websocket stream has about 64 ms of slack per message (see `tools.loadtest`); the event loop
 receives, decodes and sends every message, so anything that blocks it for tens of milliseconds
 makes every stream late at once. Two sources are measured and exported as metrics:
 
@@ -14,7 +14,7 @@ onnxruntime bindings: several hundred thousand objects) into the collector's per
 so a full collection scans only what streams allocate, not the whole process.
 
 Whether the whole machine stalled (not the service) is the benchmark tools' question:
-`server.tools.machine_stalls`.
+`tools.machine_stalls`.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def torch_model():
 def export_checked(model, path):
     """`model` exported to ONNX at `path` (the step graph the runtime and server load), checked:
     onnx.checker, then onnxruntime against torch step by step with lanes at different positions."""
-    from enhancer.export import MAX_REL_DIFF, export_step
+    from enhancer.build.export import MAX_REL_DIFF, export_step
 
     report = export_step(model, path, check=True)
     assert report["max_rel_diff"] <= MAX_REL_DIFF, report
@@ -73,9 +73,9 @@ def check_export_flag(model, tmp_path, capsys, flag: str, good: float, bad: floa
     `FLAG bad` is refused with an error that names `field`."""
     import json
 
-    from enhancer.checkpoint import load_checkpoint, save_checkpoint
+    from enhancer.build.checkpoint import load_checkpoint, save_checkpoint
+    from enhancer.build.export import MAX_REL_DIFF
     from enhancer.cli import main as cli_main
-    from enhancer.export import MAX_REL_DIFF
     from enhancer.runtime import Enhancer
 
     pt = save_checkpoint(model, model.config, tmp_path / "m.pt")

@@ -13,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("enhancer", "server", "training")
+HARNESS = "tools"  # test, load, fuzz, soak and GPU-box tooling: run from a checkout, never installed
+BUILD = "enhancer.build"  # everything of the core that needs torch or onnx
+BUILD_LIBRARIES = ("torch", "onnx", "onnxscript", "onnx_ir", "onnxruntime.quantization")
 CORE, ABOVE_CORE = "enhancer", ("server", "training")
 
 
@@ -117,7 +120,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_core_imports_neither_the_service_nor_training():
     graph = import_graph()
-    assert len(graph) > 60 and "enhancer.runtime" in graph and "server.scheduler" in graph
+    assert len(graph) > 60 and "enhancer.runtime" in graph and "server.scheduling.scheduler" in graph
     assert upward_imports(graph) == []
 
 
@@ -134,11 +137,11 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
 
     write("enhancer/__init__.py", "from .config import X\n")
     write("enhancer/config.py", "X = 1\n")
-    write("enhancer/cli.py", "def serve():\n    import server.app\n")  # lazy, still an upward import
+    write("enhancer/cli.py", "def serve():\n    import server.api.app\n")  # lazy, still an upward import
     write("enhancer/model/__init__.py", "from ..config import X\nfrom . import step\n")
     write("enhancer/model/step.py", "from .. import config\n")
     write("server/__init__.py")
-    write("server/app.py", "from enhancer.config import X\n")
+    write("server/api/app.py", "from enhancer.config import X\n")
     write("training/__init__.py")
     write("training/cli.py", "from .evaluate import cmd_eval\n")
     write("training/evaluate.py", "def cmd_eval():\n    from .cli import main\n")
@@ -147,16 +150,74 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     assert graph["enhancer.model.step"] == {"enhancer.config"}  # `from .. import config`: the module
     assert graph["enhancer.model"] == {"enhancer.config", "enhancer.model.step"}
     assert graph["training.plots"] == {"training.evaluate"}
-    assert upward_imports(graph) == [("enhancer.cli", "server.app")]
+    assert upward_imports(graph) == [("enhancer.cli", "server.api.app")]
     assert cycles(graph) == [["training.cli", "training.evaluate"]]
 
 
-@pytest.mark.parametrize("harness", ["server.tools", "training.peers"])
-def test_the_harness_is_a_package_of_its_own(harness):
-    """Test and benchmark tools live in their sub-packages (not installed), and the product
-    modules do not depend on them; only the commands that run them do."""
+def test_the_harness_is_outside_the_product_and_unused_by_it():
+    """The tools import the product; no product module imports a tool (they are not installed)."""
+    graph = import_graph(packages=PACKAGES + (HARNESS,))
+    assert {"tools.loadtest", "tools.gpu_check", "tools.gpustage", "tools.fuzz", "tools.soak"} <= set(graph)
+    users = sorted(m for m, targets in graph.items() if m.split(".")[0] != HARNESS
+                   and any(t.split(".")[0] == HARNESS for t in targets))
+    assert users == []
+
+
+def test_the_benchmark_against_peers_is_used_only_by_its_command():
     graph = import_graph()
-    assert harness in graph
-    users = sorted(m for m, targets in graph.items() if not m.startswith(harness)
-                   and any(t == harness or t.startswith(harness + ".") for t in targets))
-    assert users == (["training.cli"] if harness == "training.peers" else [])
+    assert "training.peers" in graph
+    users = sorted(m for m, targets in graph.items() if not m.startswith("training.peers")
+                   and any(t == "training.peers" or t.startswith("training.peers.") for t in targets))
+    assert users == ["training.cli"]
+
+
+def library_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, at the top level) of every absolute import in a file, lazy ones included."""
+    tree = parse(path)
+    top = {id(n) for n in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module, id(node) in top))
+    return found
+
+
+def runtime_modules(root: Path = ROOT) -> dict[str, Path]:
+    """The modules directly in `enhancer/` (the runtime): not those of its sub-packages."""
+    return {name: path for name, path in modules(root, ("enhancer",)).items() if name.count(".") <= 1
+            and path.parent == root / "enhancer"}
+
+
+def test_the_runtime_imports_neither_torch_nor_onnx():
+    """No module directly in enhancer/ imports torch or onnx, not even inside a function: that is
+    what `enhancer.build` holds."""
+    mods = runtime_modules()
+    assert {"enhancer", "enhancer.engine", "enhancer.runtime", "enhancer.cli", "enhancer.client"} <= set(mods)
+    found = [(name, line, lib) for name, path in mods.items() for line, lib, _ in library_imports(path)
+             if any(lib == b or lib.startswith(b + ".") for b in BUILD_LIBRARIES)]
+    assert found == []
+
+
+def test_the_runtime_reaches_the_build_only_lazily():
+    """Only the command line and the package's own convenience functions reach `enhancer.build`,
+    inside the functions that need it; the rest of the runtime never does."""
+    graph, mods = import_graph(), runtime_modules()
+    users = sorted(m for m in mods if any(t == BUILD or t.startswith(BUILD + ".") for t in graph[m]))
+    assert users == ["enhancer", "enhancer.cli"]
+    eager = [(name, line, lib) for name, path in mods.items() for line, lib, top in library_imports(path)
+             if top and lib.startswith(BUILD)]
+    relative_eager = [(name, node.lineno) for name, path in mods.items() for node in parse(path).body
+                      if isinstance(node, ast.ImportFrom) and node.level and (node.module or "").startswith("build")]
+    assert eager == [] and relative_eager == []
+
+
+def test_the_checks_see_torch_in_the_runtime(tmp_path):
+    (tmp_path / "enhancer" / "build").mkdir(parents=True)
+    (tmp_path / "enhancer" / "__init__.py").write_text("")
+    (tmp_path / "enhancer" / "engine.py").write_text("def f():\n    import onnx.helper\n")
+    (tmp_path / "enhancer" / "build" / "export.py").write_text("import torch\n")
+    mods = runtime_modules(tmp_path)
+    assert set(mods) == {"enhancer", "enhancer.engine"}
+    assert library_imports(mods["enhancer.engine"]) == [(2, "onnx.helper", False)]

@@ -64,7 +64,7 @@ def grow_checkpoint(path, out, d_ffn: int | None = None, seed: int = 0, attentio
     each a whole multiple of the current one; None: the same)."""
     import torch
 
-    from enhancer.model import build_model
+    from enhancer.build.model import build_model
 
     old = load_checkpoint(path)
     cfg = old.config

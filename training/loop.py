@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from enhancer import ModelConfig
-from enhancer.model import count_parameters
+from enhancer.build.model import count_parameters
 from enhancer.signal import n_frames_for
 
 from .checkpoints import CheckpointDir

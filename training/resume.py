@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from enhancer import ModelConfig, load_checkpoint
-from enhancer.checkpoint import read_checkpoint
+from enhancer.build.checkpoint import read_checkpoint
 from enhancer.errors import CheckpointError
 
 from .checkpoints import CheckpointDir

@@ -1,7 +1,7 @@
 """Scale-out on one machine (`make test-cluster`; deselected from the default run): three `enhancer
 serve` replicas with fixed capacities (2 streams each) and HAProxy agents, behind Debian's haproxy
 running deploy/haproxy.cfg (its server lines pointed at the replicas' loopback ports), clients
-through the balancer only (`server/tools/wsclient.py`, which retries 1013 and resumes after 1012 or
+through the balancer only (`enhancer/client.py`, which retries 1013 and resumes after 1012 or
 a lost connection; uploads retried on 503):
 
 1. as many streams as the capacities add up to (6) are all admitted, none late; one more is refused
@@ -37,7 +37,7 @@ import soundfile as sf
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from server.tools.wsclient import enhance_stream
+from enhancer.client import enhance_stream
 from tests.conftest import speechlike
 
 pytestmark = pytest.mark.cluster

@@ -7,8 +7,8 @@ import soundfile as sf
 import torch
 
 import enhancer
+from enhancer.build.export import MAX_REL_DIFF
 from enhancer.cli import main
-from enhancer.export import MAX_REL_DIFF
 from enhancer.runtime import Enhancer
 from tests.conftest import speechlike
 from tests.tolerance import assert_close_to_peak, assert_differs
@@ -166,15 +166,15 @@ def test_the_search_finds_the_largest_real_time_batch_exactly():
 
 
 def test_export_check_runs_lanes_at_different_positions_and_sees_a_mismatch(torch_model, model_path):
-    from enhancer.export import compare_with_torch
-    from enhancer.model import StreamingStep
+    from enhancer.build.export import compare_with_torch
+    from enhancer.build.model import StreamingStep
 
     w = torch_model.config.attention_window
     n = 3 * w + 8
     r = compare_with_torch(StreamingStep(torch_model).eval(), model_path, batch=3, n_steps=n)
     s = w // 3 + 1
     assert r["positions"] == [n, n - s, n - 2 * s] and min(r["positions"]) > w  # all wrapped, at different slots
-    from enhancer.export import split_at
+    from enhancer.build.export import split_at
 
     assert split_at([1, 3, 1, 64], [0, 6, 12]) == [1, 3, 1, 1, 6, 57]
     assert r["max_rel_diff"] <= MAX_REL_DIFF and r["parity_snr_db"] > 60
@@ -186,7 +186,7 @@ def test_export_check_runs_lanes_at_different_positions_and_sees_a_mismatch(torc
 
 
 def test_export_fails_when_onnxruntime_is_off_by_more_than_the_gate(tmp_path, monkeypatch, capsys):
-    import enhancer.export as ex
+    import enhancer.build.export as ex
 
     cfg = enhancer.ModelConfig.preset("baseline", attention_window=8)
     ckpt = enhancer.save_checkpoint(enhancer.build_model(cfg).eval(), cfg, tmp_path / "m.pt")
@@ -287,7 +287,7 @@ def test_broken_input_fails_with_the_rest_message_and_no_output(tmp_path, model_
     one line on stderr with the service's message, a non-zero exit and nothing written."""
     import io
 
-    from server.audio_io import AudioReader as RestReader
+    from server.api.audio_io import AudioReader as RestReader
     from server.errors import ServiceError
 
     for name, data in _broken_inputs(tmp_path).items():

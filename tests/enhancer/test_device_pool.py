@@ -1,19 +1,20 @@
 """`DeviceLanePool` (caches bound in place, updated by the lane graphs) against `LanePool` (numpy
 caches), on the CPU provider: the same calls give the same outputs. Under CUDA the same code runs
-with device buffers (`server/tools/gpu_check.py` repeats this comparison there)."""
+with device buffers (`tools/gpu_check.py` repeats this comparison there)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from enhancer import lane_graphs
+from enhancer.build.lane_graphs import build as build_lane_graphs
 from enhancer.device_pool import DeviceLanePool, make_pool
 from enhancer.engine import LanePool
 from enhancer.errors import CheckpointError
 
 
 def test_lane_graph_files_are_what_build_writes():
-    for name, proto in lane_graphs.build().items():
+    for name, proto in build_lane_graphs().items():
         assert lane_graphs.path(name).read_bytes() == proto.SerializeToString(deterministic=True), name
 
 

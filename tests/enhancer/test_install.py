@@ -59,7 +59,7 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert {"enhancer/models/tim.onnx", "server/static/index.html", "training/quickstart.json",
             "enhancer/graphs/lane_writer.onnx", "enhancer/graphs/zero_rows.onnx"} <= names
-    harness = [n for n in names if n.startswith(("server/tools/", "training/peers/"))]
+    harness = [n for n in names if n.startswith(("tools/", "training/peers/"))]
     assert not harness, harness  # the test and benchmark tools run from a checkout, they are not shipped
     assert "License-Expression: MIT" in meta
     site = tmp_path / "site"
@@ -80,9 +80,9 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
 def test_docker_context_leaves_the_harness_out():
     ignored = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")}
-    assert {"server/tools", "training/peers", "tests"} <= ignored
+    assert {"tools", "training/peers", "tests"} <= ignored
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert not {"server.tools", "training.peers"} & set(cfg["tool"]["setuptools"]["packages"])
+    assert not {"tools", "training.peers"} & set(cfg["tool"]["setuptools"]["packages"])
 
 
 def test_license_file_is_mit():

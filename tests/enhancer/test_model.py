@@ -6,9 +6,9 @@ import torch
 
 import enhancer
 from enhancer import ModelConfig
+from enhancer.build.model import count_parameters
+from enhancer.build.model.layers import GroupedLinear, window_mask
 from enhancer.errors import CheckpointError
-from enhancer.model import count_parameters
-from enhancer.model.layers import GroupedLinear, window_mask
 
 
 @pytest.mark.parametrize("preset", ModelConfig.presets())

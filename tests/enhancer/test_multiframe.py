@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from enhancer.export import export_step, round_to_fp16
-from enhancer.quantize import MIN_PARITY_SNR_DB
+from enhancer.build.export import export_step, round_to_fp16
+from enhancer.build.quantize import MIN_PARITY_SNR_DB
 from enhancer.runtime import Enhancer, LanePool
 from tests.conftest import SHORT_WINDOW, speechlike
 from tests.enhancer.test_streaming import torch_streaming

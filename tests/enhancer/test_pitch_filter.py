@@ -1,4 +1,4 @@
-"""The pitch filter (`enhancer.model.pitchfilter`): the pitch search against a direct numpy YIN, the
+"""The pitch filter (`enhancer.build.model.pitchfilter`): the pitch search against a direct numpy YIN, the
 comb against a direct numpy reference, what it does to a voice in noise, and the same output from
 the offline torch reference, the torch step hop by hop and in chunks, the exported graph through
 the runtime (streams in random chunks, batched lanes) and the CLI."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from enhancer import ModelConfig
-from enhancer.model import pitchfilter as pf
-from enhancer.model.features import window
+from enhancer.build.model import pitchfilter as pf
+from enhancer.build.model.features import window
 from enhancer.step_io import state_specs
 from tests.conftest import assert_lanes_match_offline, check_export_flag, runtime_of, speechlike
 from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
@@ -121,7 +121,7 @@ def harmonic_to_noise_db(y, clean, f0):
 def test_removes_noise_between_harmonics_and_keeps_the_voice(torch_model):
     """A voiced tone in white noise at 5 dB, with gains that keep the noise's bins at 0.5: the filter
     raises the harmonic-to-noise ratio, keeps the harmonics' energy, and leaves unvoiced noise alone."""
-    from enhancer.model.features import istft, stft
+    from enhancer.build.model.features import istft, stft
 
     f0, n = 150.0, SR * 2
     clean = voiced(n, f0)
@@ -215,7 +215,7 @@ def test_8bit_export_keeps_the_filter_in_float(filtered, torch_model, tmp_path):
     read by a float MatMul."""
     import onnx
 
-    from enhancer.export import export_step
+    from enhancer.build.export import export_step
 
     def exported(model, name):
         export_step(model, tmp_path / name, check=False, int8_weights=True)

@@ -8,10 +8,10 @@ import torch
 from onnx import numpy_helper
 
 import enhancer
+from enhancer.build.export import export_step
+from enhancer.build.graph_switch import all_nodes
+from enhancer.build.quantize import MIN_PARITY_SNR_DB, quantize_int8
 from enhancer.cli import main
-from enhancer.export import export_step
-from enhancer.graph_switch import all_nodes
-from enhancer.quantize import MIN_PARITY_SNR_DB, quantize_int8
 from enhancer.runtime import Enhancer
 from tests.conftest import speechlike
 from tests.tolerance import snr_db

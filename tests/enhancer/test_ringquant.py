@@ -6,12 +6,12 @@ import onnx
 import pytest
 import soundfile as sf
 
+from enhancer.build.export import export_step
+from enhancer.build.graph_switch import SWITCH
+from enhancer.build.quantize import MIN_PARITY_SNR_DB
+from enhancer.build.ringquant import HEADROOM, calibrate_rings, quantize_rings, ring_scales
 from enhancer.cli import main
 from enhancer.engine import Engine, LanePool
-from enhancer.export import export_step
-from enhancer.graph_switch import SWITCH
-from enhancer.quantize import MIN_PARITY_SNR_DB
-from enhancer.ringquant import HEADROOM, calibrate_rings, quantize_rings, ring_scales
 from enhancer.runtime import Enhancer
 from enhancer.step_io import ring_views, write_rings
 from tests.conftest import speechlike

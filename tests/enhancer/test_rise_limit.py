@@ -1,4 +1,4 @@
-"""The rise limit (`enhancer.model.postfilter`): its arithmetic against a direct numpy reference, and
+"""The rise limit (`enhancer.build.model.postfilter`): its arithmetic against a direct numpy reference, and
 the same output from the offline torch reference, the torch step hop by hop and in chunks, the
 exported graph through the runtime (files, streams in random chunks, batched lanes) and the CLI."""
 import copy
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from enhancer import ModelConfig
-from enhancer.model.postfilter import decay, rise_limit
+from enhancer.build.model.postfilter import decay, rise_limit
 from enhancer.step_io import state_specs
 from tests.conftest import assert_lanes_match_offline, check_export_flag, runtime_of, speechlike
 from tests.enhancer.test_streaming import random_chunks, stream_through, torch_streaming
@@ -59,7 +59,7 @@ def test_matches_the_frame_by_frame_reference_in_any_chunking():
 def test_offline_reference_runs_long_inputs_in_chunks(torch_model):
     """`TIMNet.output_gain` runs the limit in chunks of `LIMIT_FRAMES` (its cost grows with T^2 per
     call); the result is the frame-by-frame reference's, then raised to the exponent."""
-    from enhancer.model.net import LIMIT_FRAMES
+    from enhancer.build.model.net import LIMIT_FRAMES
 
     model = copy.deepcopy(torch_model)
     model.config = dataclasses.replace(model.config, rise_limit_gain=0.5, gain_exponent=1.25)

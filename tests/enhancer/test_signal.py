@@ -5,8 +5,8 @@ import torch
 
 from enhancer import STFTConfig
 from enhancer import signal as ns
+from enhancer.build.model import features as tf
 from enhancer.errors import AudioError
-from enhancer.model import features as tf
 from tests.conftest import speechlike
 from tests.tolerance import REL_PEAK, assert_close_to_peak
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
+from enhancer.build.model import StreamingStep
 from enhancer.errors import AudioError, CheckpointError
-from enhancer.model import StreamingStep
 from enhancer.runtime import Enhancer, LanePool, min_gain_for
 from enhancer.step_io import StepOutputs, init_rings, init_states, output_names, write_rings
 from tests.conftest import SHORT_WINDOW, speechlike

@@ -181,9 +181,9 @@ def test_enhancer_serve_dispatches_to_the_service(tmp_path, capsys):
 
 
 def test_serving_process_does_not_import_torch(model_path):
-    code = ("import sys, server, server.app, server.rest, server.ws, server.scheduler, server.tools.loadtest; "
+    code = ("import sys, server, server.api.app, server.api.rest, server.api.ws, server.scheduling.scheduler, tools.loadtest; "
             f"from server.settings import Settings; app = server.create_app(Settings.build(model={str(model_path)!r})); "
-            "from server.scheduler import Scheduler; s = Scheduler(app.state.settings, app.state.metrics); s.start(); "
+            "from server.scheduling.scheduler import Scheduler; s = Scheduler(app.state.settings, app.state.metrics); s.start(); "
             "s.stop(); assert 'torch' not in sys.modules, 'torch was imported'; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -18,12 +18,12 @@ from websockets.asyncio.client import connect as aconnect
 from websockets.sync.client import connect
 
 from enhancer.engine import LanePool
-from server import capacity as calibration
-from server.commands import Open, Push
 from server.metrics import Metrics
+from server.scheduling import capacity as calibration
+from server.scheduling.commands import Open, Push
+from server.scheduling.streams import StreamState
+from server.scheduling.worker import Worker
 from server.settings import Settings
-from server.streams import StreamState
-from server.worker import Worker
 from tests.conftest import speechlike
 from tests.tolerance import assert_close_to_peak
 
@@ -316,7 +316,7 @@ def test_a_fixed_capacity_is_warmed_before_the_service_is_ready(enhancer_rt, mon
     """With `--capacity N` nothing is timed, but every worker steps its share of lanes a few times,
     paced, before the workers start (a fresh process's first steps and first writes into its rings
     are slow enough to make its first stream late); the lanes are left as a new stream finds them."""
-    from server.scheduler import Scheduler
+    from server.scheduling.scheduler import Scheduler
 
     stepped = []
     real_step = LanePool.step
@@ -326,7 +326,7 @@ def test_a_fixed_capacity_is_warmed_before_the_service_is_ready(enhancer_rt, mon
         return real_step(pool, lanes, hops, gains)
 
     monkeypatch.setattr(LanePool, "step", step)
-    monkeypatch.setattr("server.scheduler.Enhancer.from_pretrained", lambda *a, **k: enhancer_rt)
+    monkeypatch.setattr("server.scheduling.scheduler.Enhancer.from_pretrained", lambda *a, **k: enhancer_rt)
     sched = Scheduler(Settings.build(workers=2, capacity=5, max_streams=8), Metrics())
     sched.start()
     try:
@@ -527,7 +527,7 @@ def test_streams_behind_together_run_their_backlogs_in_one_call(enhancer_rt, mon
 
 def test_streams_ending_together_flush_in_one_call(enhancer_rt, monkeypatch):
     """Three live streams that end in the same round flush their tails in one call of the lane pool."""
-    from server.commands import End
+    from server.scheduling.commands import End
 
     w, _ = _worker_with_streams(enhancer_rt, [speechlike(4000, 16000, seed=40 + k) for k in range(3)],
                                 time.perf_counter() + 100.0)
@@ -574,7 +574,7 @@ def test_a_failing_group_call_closes_only_the_stream_it_fails_for(enhancer_rt, m
 def test_lane_clusters_split_groups_whose_lanes_lie_far_apart():
     """A call covers every lane between its lowest and highest: streams on lanes far apart run in
     separate calls, neighbours in one."""
-    from server.batcher import lane_clusters
+    from server.scheduling.batcher import lane_clusters
 
     def st(*lanes):
         return SimpleNamespace(cursor=SimpleNamespace(lanes=np.array(lanes)))
@@ -643,9 +643,9 @@ async def _stream_at_once(url, x, sr):
 
 # ---------------------------------------------------------------------------------- operator logs
 def test_admission_logs_the_capacity_and_each_refusal(caplog):
-    from server.admission import Admission, LaneLedger
     from server.errors import ServiceError
     from server.messages import Source
+    from server.scheduling.admission import Admission, LaneLedger
 
     adm = Admission(Settings.build(max_streams=4, max_rest_jobs=1), Metrics())
     with caplog.at_level("INFO", logger="tim_enhancer.server"):
@@ -679,7 +679,7 @@ def test_server_logs_when_ready_with_the_demo_url(model_path, caplog):
 
 # ---------------------------------------------------------------------------------- capacity that follows the machine
 def test_available_cpus_is_the_affinity_bounded_by_the_cgroup_quota(tmp_path):
-    from server import cpus
+    from server.scheduling import cpus
 
     v2 = tmp_path / "v2"
     (v2 / "pod" / "app").mkdir(parents=True)
@@ -710,7 +710,7 @@ def test_available_cpus_is_the_affinity_bounded_by_the_cgroup_quota(tmp_path):
 
 
 def test_workers_default_to_the_available_cpus(monkeypatch):
-    from server import cpus
+    from server.scheduling import cpus
 
     monkeypatch.setattr(cpus, "available_cpus", lambda: 3)
     assert Settings.build().workers == 3 and Settings().workers == 3
@@ -829,7 +829,7 @@ def test_capacity_ignores_isolated_spikes_and_needs_sustained_evidence():
 
 
 def test_worker_times_its_live_steps_and_probes_when_idle(enhancer_rt):
-    from server.commands import Close
+    from server.scheduling.commands import Close
 
     w = Worker(0, enhancer_rt, 8, Metrics(), settings=Settings.build())
     w.ledger.capacity = 3

@@ -20,9 +20,9 @@ import soundfile as sf
 from websockets.asyncio.client import connect as aconnect
 from websockets.exceptions import ConnectionClosed
 
-from server.tools.rawws import OP_BINARY, OP_TEXT, RawClient
 from tests.conftest import speechlike
 from tests.tolerance import assert_close_to_peak
+from tools.rawws import OP_BINARY, OP_TEXT, RawClient
 
 from .conftest import TEST_LIMITS, LiveServer
 from .test_ws import from_bytes, stream_through, to_bytes

@@ -1,10 +1,10 @@
-"""Bounded fuzzing in the default test run (the full campaign is `python -m server.tools.fuzz`), and
+"""Bounded fuzzing in the default test run (the full campaign is `python -m tools.fuzz`), and
 regression tests for what fuzzing found."""
 from __future__ import annotations
 
 import httpx
 
-from server.tools.fuzz import Stats, fuzz_sessions, fuzz_uploads, run_schemathesis
+from tools.fuzz import Stats, fuzz_sessions, fuzz_uploads, run_schemathesis
 
 
 def internal(srv) -> float:

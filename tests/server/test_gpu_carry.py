@@ -1,9 +1,9 @@
-"""`server.tools.gpu_carry`'s fatbin trimming: only the kernels of other GPU architectures are zeroed."""
+"""`tools.gpu_carry`'s fatbin trimming: only the kernels of other GPU architectures are zeroed."""
 from __future__ import annotations
 
 import struct
 
-from server.tools.gpu_carry import FATBIN_MAGIC, fatbin_entries, keep_arch
+from tools.gpu_carry import FATBIN_MAGIC, fatbin_entries, keep_arch
 
 
 def _entry(kind: int, sm: int, payload: bytes) -> bytes:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from enhancer.quantize import MIN_PARITY_SNR_DB
+from enhancer.build.quantize import MIN_PARITY_SNR_DB
 from tests.tolerance import snr_db
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_the_readme_has_the_snippets_this_test_runs():
     assert len(blocks("python")) == 1
     cmds = commands()
     assert cmds[:2] == ["make serve", "make test"], "the README opens with the two set-up commands"
-    for needed in ("curl ", "python -m server.tools.wsclient", "enhancer denoise", "enhancer info"):
+    for needed in ("curl ", "python -m enhancer.client", "enhancer denoise", "enhancer info"):
         assert any(c.startswith(needed) for c in cmds), needed
     assert "http://127.0.0.1:8000/" in README.read_text()
     assert len(README.read_text().splitlines()) <= 200

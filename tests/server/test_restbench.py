@@ -8,8 +8,8 @@ import soundfile as sf
 
 
 def test_restbench_times_each_request_of_a_running_server(model_path, tmp_path, capsys):
-    from server.tools import restbench
-    from server.tools.launch import start
+    from tools import restbench
+    from tools.launch import start
 
     rate = 16000
     audio = (0.1 * np.sin(2 * np.pi * 220 * np.arange(rate // 2) / rate)).astype("float32")
@@ -32,7 +32,7 @@ def test_restbench_times_each_request_of_a_running_server(model_path, tmp_path, 
 def test_restbench_wav_is_the_repeated_audio():
     import io
 
-    from server.tools.restbench import wav_bytes
+    from tools.restbench import wav_bytes
 
     x = np.array([0, 1000, -1000, 32767], dtype="<i2")
     y, rate = sf.read(io.BytesIO(wav_bytes(np.resize(x, 10), 8000)), dtype="int16")

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from server.commands import Close, End, Open, Push
 from server.metrics import Metrics
-from server.scheduler import SWITCH_INTERVAL_S, Scheduler, SwitchInterval
+from server.scheduling.commands import Close, End, Open, Push
+from server.scheduling.scheduler import SWITCH_INTERVAL_S, Scheduler, SwitchInterval
+from server.scheduling.worker import Worker
 from server.settings import Settings
-from server.worker import Worker
 from tests.conftest import speechlike
 
 

@@ -19,10 +19,10 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 import server
-from server.auth import is_public
+from server.api.auth import is_public
 from server.settings import Settings
-from server.tools.rawws import OP_BINARY, OP_CONT, OP_TEXT, RawClient
 from tests.conftest import speechlike
+from tools.rawws import OP_BINARY, OP_CONT, OP_TEXT, RawClient
 
 from .conftest import TEST_LIMITS, LiveServer
 
@@ -187,7 +187,7 @@ def _endless_upload(srv, head: bytes, chunk: bytes, limit_bytes: int):
 def test_chunked_upload_over_the_cap_is_cut_off_while_streaming(live_small, monkeypatch):
     """No Content-Length, an endless chunked body: the server answers 413 while the client is
     still sending, having stored no more than the cap."""
-    import server.rest as rest
+    import server.api.rest as rest
 
     stored = {"bytes": 0}
     real = rest.tempfile.SpooledTemporaryFile
@@ -332,8 +332,8 @@ def assert_no_internals(text: str) -> None:
 
 
 def test_internal_errors_carry_no_stack_trace(live, http, monkeypatch):
-    import server.rest as rest
-    import server.ws as ws_module
+    import server.api.rest as rest
+    import server.api.ws as ws_module
 
     def boom(*a, **k):
         raise ZeroDivisionError("secret internals at /work/main/server/x.py line 3")

@@ -9,7 +9,7 @@ import time
 from prometheus_client import CollectorRegistry, Histogram
 
 from server.stalls import GcTimer, LoopLagMonitor
-from server.tools.machine_stalls import MachineStallObserver
+from tools.machine_stalls import MachineStallObserver
 
 
 def _hist(labels=()):
@@ -83,7 +83,7 @@ def test_late_messages_are_attributed_to_machine_stalls_only_nearby():
 def test_late_messages_are_split_between_machine_stalls_load_generator_stalls_and_the_rest():
     from types import SimpleNamespace
 
-    from server.tools.loadtest import LagProbe, late_attribution
+    from tools.loadtest import LagProbe, late_attribution
 
     obs, probe = MachineStallObserver(), LagProbe()
     obs.events = [(100.0, 0.2)]  # the whole machine stalled 200 ms at t = 100 s

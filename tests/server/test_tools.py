@@ -7,8 +7,8 @@ import os
 
 import soundfile as sf
 
-from server.tools import audit, soak
 from tests.conftest import speechlike
+from tools import audit, soak
 
 
 def test_short_soak_writes_figures_table_and_plot(live, tmp_path):
@@ -48,9 +48,9 @@ def test_soak_windows_add_up_to_the_totals_when_tails_arrive_late():
 
 
 def test_gpu_check_rehearses_on_the_cpu(model_path, tmp_path, monkeypatch):
-    """`server.tools.gpu_check` on the CPU, with the device pool that CUDA would use: the parity
+    """`tools.gpu_check` on the CPU, with the device pool that CUDA would use: the parity
     stages (lane ranges, and full-pool live steps) pass and land in the JSON with the environment."""
-    from server.tools import gpu_check
+    from tools import gpu_check
 
     monkeypatch.setenv("TIM_ENHANCER_DEVICE_POOL", "1")
     monkeypatch.setenv("TIM_ENHANCER_FULL_STEPS", "0")  # gpu_check sets it to 1: restored after the test

@@ -1,4 +1,4 @@
-"""The example websocket client (server/tools/wsclient.py) against the real server: a plain run equals
+"""The example websocket client (enhancer/client.py) against the real server: a plain run equals
 offline enhancement; a refusal over capacity (1013) is retried after the hint; a restart (1012
 mid-stream, then nothing listening for a while) is resumed with no output lost."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from websockets.sync.client import connect
 
 import server
+from enhancer.client import enhance_file, enhance_stream, main
 from server.settings import Settings
-from server.tools.wsclient import enhance_file, enhance_stream, main
 from tests.conftest import speechlike
 from tests.server.conftest import TEST_LIMITS, LiveServer
 from tests.tolerance import assert_close_to_peak

@@ -100,7 +100,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_model, tmp_path_factory) -> Path:
-    from enhancer.export import export_step
+    from enhancer.build.export import export_step
 
     path = tmp_path_factory.mktemp("tiny-onnx") / "tiny.onnx"
     export_step(tiny_model, path, check=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from enhancer import ModelConfig, build_model
-from enhancer.model import count_parameters
+from enhancer.build.model import count_parameters
 from tests.training.conftest import TINY_MODEL
 from training.cli import main
 

@@ -1,4 +1,4 @@
-"""`python -m training.gpustage` on the CPU: prepare a tiny corpus in several pieces, move them as the
+"""`python -m tools.gpustage` on the CPU: prepare a tiny corpus in several pieces, move them as the
 printed calls say into a stand-in for the device's tree, run two steps there; and the failures: a
 damaged or missing piece stops the run at once, with the reason in summary.json and the log."""
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_prepare_writes_pieces_plan_and_calls(carried):
     calls = plan["calls"]
     assert [c["carry"][0] for c in calls] == [f"gpu-carry/{p['name']}" for p in pieces]
     assert calls[-1]["carry"][1] == "gpu-carry/plan.json" and all(c["run"] is None for c in calls[:-1])
-    assert calls[-1]["command"].endswith("python3 -m training.gpustage run --plan gpu-carry/plan.json --minutes 1.5")
+    assert calls[-1]["command"].endswith("python3 -m tools.gpustage run --plan gpu-carry/plan.json --minutes 1.5")
     assert plan["fit"][:2] == ["--batch-size", "2"]
     assert not (carried / "staging").exists() and not (carried / "corpus.tar").exists()
 

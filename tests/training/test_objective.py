@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from enhancer import ModelConfig
+from enhancer.build.model import features
 from enhancer.config import STFTConfig
-from enhancer.model import features
 from training.losses.objective import (
     COMPRESSED_POWER,
     LossConfig,
@@ -292,7 +292,7 @@ def voiced():
 
 
 def test_pitch_filter_loss_compares_the_gains_on_the_filtered_spectrum(tiny_model, voiced):
-    from enhancer.model import pitchfilter
+    from enhancer.build.model import pitchfilter
 
     model = with_pitch_filter(tiny_model)
     cfg = model.config

@@ -11,8 +11,8 @@ import pytest
 import soundfile as sf
 import torch
 
+from enhancer.build.model import features
 from enhancer.config import STFTConfig
-from enhancer.model import features
 from training.losses.objective import batch_loss, loss_sums, pesq_model
 from training.losses.perceptual import PesqModel, aggregate
 

@@ -94,7 +94,7 @@ def difference_table(rows: list[dict], files: list[dict]) -> str:
 
 def parameters(cfg: ModelConfig) -> int:
     from enhancer import build_model
-    from enhancer.model import count_parameters
+    from enhancer.build.model import count_parameters
 
     return count_parameters(build_model(cfg))
 

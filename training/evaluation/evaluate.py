@@ -58,7 +58,7 @@ class ModelRunner:
 
             model = load_checkpoint(path)
             if streaming:
-                from enhancer.export import export_step
+                from enhancer.build.export import export_step
 
                 onnx_path = Path(work_dir or tempfile.mkdtemp()) / (path.stem + ".onnx")
                 export_step(model, onnx_path, check=False)

@@ -50,7 +50,7 @@ def enhance_with_competition(model_path, noisy: np.ndarray):
     import torch
 
     from enhancer import load_checkpoint
-    from enhancer.model import features
+    from enhancer.build.model import features
 
     model = load_checkpoint(model_path)
     cfg = model.config

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from enhancer import ModelConfig
+from enhancer.build.model import features, pitchfilter
 from enhancer.config import STFTConfig
-from enhancer.model import features, pitchfilter
 
 from ..data.synthesis import Synthesizer
 from .perceptual import PesqModel
@@ -94,7 +94,7 @@ def loss_sums(net, core, noisy: torch.Tensor, clean: torch.Tensor, bandwidth: to
     same input: a target the student can reach, e.g. one with a shorter attention window.
 
     With `pitch_filter` (a model whose config has a `pitch_filter` strength), the gains apply to the
-    noisy spectrum after the pitch filter, as they do at inference (`enhancer.model.pitchfilter`): the
+    noisy spectrum after the pitch filter, as they do at inference (`enhancer.build.model.pitchfilter`): the
     filter is computed without gradient from the gains raised to the model's `gain_exponent`, and every
     term compares the gains times the filtered spectrum with the clean speech."""
     cfg = core.config

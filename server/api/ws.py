@@ -1,0 +1,320 @@
+"""Websocket /v1/stream: live audio in, enhanced audio out (protocol in README.md, "Streaming").
+
+    client -> {"sample_rate": 48000, "encoding": "pcm_s16le", "channels": 1,
+               "atten_lim_db": null, "metadata": false, "band": "full"}  optional start message
+                                                                     (band "speech": nothing above 8 kHz)
+    server -> {"type": "ready", ...}                                 stream parameters and delay
+    client -> binary audio, any number of whole frames per message
+    server -> binary enhanced audio (same encoding, rate, channels), sample-aligned with the input
+    server -> {"type": "metadata", "frames": [...]}                  only with "metadata": true
+    client -> {"type": "end"}
+    server -> the tail, then {"type": "end", "samples": n}, then close 1000
+
+Errors: {"type": "error", "kind", "message", "code"}, then close with `code` (1003 unsupported
+data, 1007 invalid payload, 1008 policy/auth/limits, 1009 too big, 1011 internal, 1013 over capacity:
+the error then also carries "capacity", "active_streams" and "retry_after_s").
+
+A live stream that falls behind gets {"type": "late", "lateness_ms", "budget_ms", "max_lateness_ms"},
+then {"type": "on_time", "lateness_ms"} once it has caught up; if its backlog was skipped,
+{"type": "gap", "start_sample", "samples", "skipped_ms", "lateness_ms"} names the output samples
+(at the stream's rate) that are not its enhanced input.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import time
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from enhancer.cursor import StepFrame, delay_at
+from server.api.aio import timeout as _timeout
+from server.api.audio_io import decode_pcm, encode_pcm
+from server.errors import ErrorKind, ServiceError, too_large
+from server.messages import Source, StartMessage, event_message
+from server.scheduling.commands import Delivery
+from server.scheduling.jobs import Job
+
+log = logging.getLogger("tim_enhancer.server")
+
+router = APIRouter()
+
+
+class _Closed(Exception):
+    """The client went away."""
+
+
+class _Drain(Exception):
+    """The server is shutting down: stop reading, send the tail."""
+
+
+@router.websocket("/v1/stream")
+async def stream(ws: WebSocket) -> None:
+    await ws.accept()
+    session = StreamSession(ws)
+    ws.app.state.sessions.add(session)
+    try:
+        if ws.app.state.draining:
+            raise _Drain()
+        admission = ws.app.state.scheduler.admission
+        if admission.live_full:  # refused at the handshake: no need to wait for the start message
+            raise admission.over_capacity(Source.STREAM)
+        await session.run()
+    except ServiceError as e:
+        await session.fail(e)
+    except _Drain:
+        await session.fail(ServiceError(ErrorKind.SHUTTING_DOWN, "the server is shutting down; reconnect"))
+    except _Closed:
+        pass
+    except Exception:  # a bug: report it as internal and keep serving
+        log.exception("websocket stream failed")
+        await session.fail(ServiceError(ErrorKind.INTERNAL, "internal error; the stream was closed"))
+    finally:
+        session.cleanup()
+        ws.app.state.sessions.discard(session)
+        session.finished.set()
+
+
+class StreamSession:
+    def __init__(self, ws: WebSocket):
+        self.ws = ws
+        app = ws.app
+        self.settings, self.scheduler, self.metrics = app.state.settings, app.state.scheduler, app.state.metrics
+        self.job: Job | None = None
+        self.closing = False
+        self.writer: asyncio.Task | None = None
+        self.in_flight: collections.deque = collections.deque()  # (seq, samples) pushed, not yet processed
+        self.buffered = 0
+        self.drained = asyncio.Event()
+        self.samples_in = 0
+        self.samples_out = 0
+        self.draining = False
+        self.finished = asyncio.Event()
+        self._deadline = None  # the idle timer of the receive in progress
+        # message-rate limit: a token bucket refilled at max_messages_per_s, holding one second's worth
+        self._tokens = self._burst = max(float(self.settings.max_messages_per_s), 1.0)
+        self._refilled = time.monotonic()
+
+    # ------------------------------------------------------------------ reading
+    async def run(self) -> None:
+        s = self.settings
+        first = await self._receive()
+        if "text" in first:
+            start = StartMessage.from_text(first["text"])
+            first = None
+        else:
+            start = StartMessage()
+        self.encoding = start.encoding
+        self.channels = start.channels
+        self.job = self.scheduler.open(start.sample_rate, start.channels, start.atten_lim_db, start.metadata,
+                                       Source.STREAM, start.band)
+        self.rate = self.job.sample_rate
+        self.max_samples = int(s.max_stream_s * self.rate)
+        self.max_buffered = max(int(s.max_buffered_s * self.rate), 1)
+        await self._send_json(self._ready_message(start))
+        self.writer = asyncio.create_task(self._write())
+        message = first
+        try:
+            while True:
+                if message is None:
+                    message = await self._receive()
+                if "bytes" in message and message["bytes"] is not None:
+                    await self._audio(message["bytes"])
+                elif self._control(message.get("text")):
+                    break
+                message = None
+        except _Drain:
+            pass  # shutting down: the tail of what was received, then close 1012
+        self.job.end()
+        await self.writer
+
+    def drain(self) -> None:
+        """Stop reading at the next message boundary (wakes a receive that is waiting)."""
+        self.draining = True
+        if self._deadline is not None:
+            self._deadline.reschedule(asyncio.get_running_loop().time())
+
+    async def _receive(self) -> dict:
+        if self.draining:
+            raise _Drain()
+        try:
+            async with _timeout(self.settings.idle_timeout_s) as deadline:  # a timer, not a task, per message
+                self._deadline = deadline
+                message = await self.ws.receive()
+        except (asyncio.TimeoutError, TimeoutError):
+            if self.draining:
+                raise _Drain() from None
+            raise ServiceError(ErrorKind.IDLE_TIMEOUT, f"no message for {self.settings.idle_timeout_s:g} s; "
+                               "closing the stream") from None
+        except (WebSocketDisconnect, RuntimeError):
+            raise _Closed() from None
+        finally:
+            self._deadline = None
+        if message["type"] == "websocket.disconnect":
+            raise _Closed()
+        data = message.get("bytes")
+        if data is None:
+            data = (message.get("text") or "").encode()
+        if len(data) > self.settings.max_message_bytes:
+            raise too_large(len(data), self.settings.max_message_bytes)
+        self._count_message()
+        return message
+
+    def _count_message(self) -> None:
+        """Take one token from the message-rate bucket, or ServiceError (rate_limited)."""
+        rate = self.settings.max_messages_per_s
+        if math.isinf(rate):
+            return
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._refilled) * rate)
+        self._refilled = now
+        if self._tokens < 1.0:
+            raise ServiceError(ErrorKind.RATE_LIMITED, f"more than {rate:g} messages per second; send fewer, larger "
+                               "messages (20 ms of audio or more each)")
+        self._tokens -= 1.0
+
+    def _ready_message(self, start: StartMessage) -> dict:
+        cfg = self.scheduler.enhancer.config
+        return {
+            "type": "ready", "sample_rate": self.rate, "encoding": self.encoding, "channels": self.channels,
+            "atten_lim_db": start.atten_lim_db, "metadata": start.metadata, "band": start.band,
+            "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
+            "delay_samples": delay_at(cfg, self.rate), "max_message_bytes": self.settings.max_message_bytes,
+        }
+
+    async def _audio(self, data: bytes) -> None:
+        x = decode_pcm(data, self.encoding, self.channels)
+        n = x.shape[0]
+        if n == 0:
+            return
+        self.samples_in += n
+        if self.samples_in > self.max_samples:
+            raise ServiceError(ErrorKind.TOO_LONG, f"the stream is over the limit of {self.settings.max_stream_s:g} s of audio")
+        while self.buffered >= self.max_buffered:  # inference is behind: stop reading until it catches up
+            self.drained.clear()
+            await self._wait_drained()
+        seq = self.job.push(x)
+        self.in_flight.append((seq, n))
+        self.buffered += n
+        self.metrics.stream_seconds.inc(n / self.rate)
+
+    async def _wait_drained(self) -> None:
+        waiter = asyncio.ensure_future(self.drained.wait())
+        done, _ = await asyncio.wait({waiter, self.writer}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            waiter.cancel()
+            raise _Closed()  # the writer ended (error sent, or the client is gone)
+
+    def _control(self, text: str | None) -> bool:
+        """Handle a text message during the stream; True on the end message."""
+        msg = _parse_json(text or "")
+        if isinstance(msg, dict) and msg.get("type") == "end":
+            return True
+        if isinstance(msg, dict) and msg.get("type", "start") == "start":
+            raise ServiceError(ErrorKind.BAD_REQUEST, "the start message must be the first message of the stream")
+        raise ServiceError(ErrorKind.UNSUPPORTED_MEDIA, "text messages carry JSON control messages ({\"type\": \"end\"}) "
+                           "only; send audio as binary messages")
+
+    # ------------------------------------------------------------------ writing
+    async def _write(self) -> None:
+        """Forward deliveries to the client until the final one (or an error)."""
+        while True:
+            d: Delivery = await self.job.next()
+            if d.error is not None:
+                await self.fail(d.error)
+                return
+            self._acknowledge(d.acked)
+            if d.audio.shape[0] and not np.isfinite(d.audio).all():  # output guard: never send NaN/Inf
+                await self.fail(ServiceError(ErrorKind.INTERNAL, "the enhancement produced invalid samples; the stream "
+                                             "was closed"))
+                return
+            if d.audio.shape[0]:
+                self.samples_out += d.audio.shape[0]
+                await self._send_bytes(encode_pcm(d.audio, self.encoding))
+            if d.frames:
+                await self._send_json(self._metadata_message(d.frames))
+            for event in d.events:  # "late", "on_time", "gap" (README: Capacity, admission and lateness)
+                await self._send_json(event_message(event))
+            if d.final:
+                if self.draining:
+                    await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown",
+                                           "message": f"the server is restarting: reconnect and resend the audio "
+                                                      f"from sample {self.samples_out}"})
+                    await self._close(1012, "server shutting down")
+                else:
+                    await self._send_json({"type": "end", "samples": self.samples_out})
+                    await self._close(1000)
+                return
+
+    def _acknowledge(self, acked: int) -> None:
+        while self.in_flight and self.in_flight[0][0] <= acked:
+            self.buffered -= self.in_flight.popleft()[1]
+        self.drained.set()
+
+    @staticmethod
+    def _metadata_message(frames: list[StepFrame]) -> dict:
+        out = []
+        for frame in frames:
+            if frame.time_s is None:
+                continue  # frames that only fill the model's delay
+            f = {"frame": int(frame.index), "time_s": round(frame.time_s, 4),
+                 "activity": np.round(frame.activity.astype(float), 4).tolist()}
+            if frame.competition is not None:  # (channels, tim_layers, mechanisms)
+                f["competition"] = np.round(frame.competition.astype(float), 4).tolist()
+            out.append(f)
+        return {"type": "metadata", "frames": out}
+
+    # ------------------------------------------------------------------ sending and closing
+    async def _send_bytes(self, data: bytes) -> None:
+        try:
+            await self.ws.send_bytes(data)
+        except Exception:  # whatever the transport raises: the client is gone
+            raise _Closed() from None
+
+    async def _send_json(self, msg: dict) -> None:
+        try:
+            await self.ws.send_text(json.dumps(msg, separators=(",", ":")))
+        except Exception:  # whatever the transport raises: the client is gone
+            raise _Closed() from None
+
+    async def fail(self, err: ServiceError) -> None:
+        """Report `err` to the client and close with its code (once)."""
+        if self.closing:
+            return
+        self.metrics.errors.labels(kind=err.kind).inc()
+        if self.writer is not None and self.writer is not asyncio.current_task():
+            self.writer.cancel()  # one sender at a time: let the writer stop before the error goes out
+            await asyncio.gather(self.writer, return_exceptions=True)
+        try:
+            await self._send_json(err.ws_message())
+        except _Closed:
+            pass
+        await self._close(err.close_code, err.message)
+
+    async def _close(self, code: int, reason: str = "") -> None:
+        if self.closing:
+            return
+        self.closing = True
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            try:
+                await self.ws.close(code, reason[:120])
+            except Exception:  # the connection is gone already: nothing left to close
+                pass
+
+    def cleanup(self) -> None:
+        if self.writer is not None and not self.writer.done():
+            self.writer.cancel()
+        if self.job is not None:
+            self.job.close()
+
+
+def _parse_json(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None

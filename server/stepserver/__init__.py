@@ -1,0 +1,5 @@
+"""The step server: one process that owns the accelerator and steps the live streams of several
+service processes (`enhancer step-server`), and the lane pool the front-ends step through it."""
+from .server import RemoteLanePool, StepServer, StepServerError, add_arguments, main, run
+
+__all__ = ["RemoteLanePool", "StepServer", "StepServerError", "add_arguments", "main", "run"]
