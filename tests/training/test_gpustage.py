@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from training import gpustage
+from tools import gpustage
 
 
 @pytest.fixture(scope="module")
