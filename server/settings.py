@@ -17,6 +17,7 @@ API_KEY_ENV = "TIM_ENHANCER_API_KEY"
 CORS_ENV = "TIM_ENHANCER_CORS_ORIGINS"
 DRAIN_ENV = "TIM_ENHANCER_DRAIN_TIMEOUT_S"
 AGENT_ENV = "TIM_ENHANCER_AGENT_PORT"
+STEP_KEY_ENV = "TIM_ENHANCER_STEP_KEY"
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class Settings:
     # Unix socket of a step server (server.stepserver) that runs the model for this process and others;
     # None: this process runs it
     step_server: str | None = None
+    # the key shared with that step server (required with step_server). Also $TIM_ENHANCER_STEP_KEY
+    step_key: str | None = None
 
     def __post_init__(self):
         if self.workers is None:  # frozen: the resolved default is set once, here
@@ -74,8 +77,8 @@ class Settings:
 
     @classmethod
     def build(cls, **kwargs) -> Settings:
-        """Settings from keyword arguments; the API key, CORS origins, drain timeout and agent port may
-        come from the environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_CORS_ORIGINS (comma-separated),
+        """Settings from keyword arguments; the API key, the step server's key, CORS origins, drain timeout and agent port may
+        come from the environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_STEP_KEY, $TIM_ENHANCER_CORS_ORIGINS (comma-separated),
         $TIM_ENHANCER_DRAIN_TIMEOUT_S, $TIM_ENHANCER_AGENT_PORT); a keyword argument wins."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
@@ -84,6 +87,8 @@ class Settings:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if "api_key" not in kwargs and os.environ.get(API_KEY_ENV):
             kwargs["api_key"] = os.environ[API_KEY_ENV]
+        if "step_key" not in kwargs and os.environ.get(STEP_KEY_ENV):
+            kwargs["step_key"] = os.environ[STEP_KEY_ENV]
         if "cors_origins" not in kwargs and os.environ.get(CORS_ENV):
             kwargs["cors_origins"] = os.environ[CORS_ENV]
         for name, env, parse in (("drain_timeout_s", DRAIN_ENV, float), ("agent_port", AGENT_ENV, int)):
