@@ -1,9 +1,13 @@
 """Errors the service reports to clients: one kind each, with its HTTP status and websocket close code.
 
 Responses carry `{"error": {"kind": ..., "message": ...}}` (REST) or
-`{"type": "error", "kind": ..., "message": ...}` (websocket), never a stack trace.
+`{"type": "error", "kind": ..., "message": ...}` (websocket), never a stack trace. The core's
+errors (`enhancer.errors`) become service errors in one place, `from_core`: the app's exception
+handler for REST, the websocket handler and the workers for streams.
 """
 from __future__ import annotations
+
+from enhancer.errors import EmptyAudioError, EnhancerError, OutputFormatError, UnsupportedAudioError
 
 try:
     from enum import StrEnum
@@ -98,6 +102,22 @@ class ServiceError(Exception):
     def ws_message(self) -> dict:
         return {"type": "error", "kind": self.kind.value, "message": self.message,
                 "code": self.close_code} | self._extra()
+
+
+def from_core(e: EnhancerError, kind: ErrorKind = ErrorKind.INVALID_AUDIO) -> ServiceError:
+    """The service's answer to an error of the core (`enhancer.errors`), with the core's message: the
+    one place they are mapped. No samples: empty_input; not audio libsndfile recognises:
+    unsupported_media; an output format that cannot be written: invalid_parameter; any other bad
+    input: `kind` (invalid_audio, or invalid_parameter where the input is a job's parameters)."""
+    if isinstance(e, EmptyAudioError):
+        return ServiceError(ErrorKind.EMPTY_INPUT, str(e))
+    if isinstance(e, UnsupportedAudioError):
+        return ServiceError(ErrorKind.UNSUPPORTED_MEDIA, str(e))
+    if isinstance(e, OutputFormatError):
+        return ServiceError(ErrorKind.INVALID_PARAMETER, str(e))
+    if isinstance(e, ValueError):  # AudioError and the rest of the core's bad-input errors
+        return ServiceError(kind, str(e))
+    return ServiceError(ErrorKind.INTERNAL, "internal error")
 
 
 def too_large(size: int, limit: int, at_least: bool = False) -> ServiceError:

@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from enhancer.config import SAMPLE_RATE
-from server.api.audio_io import ENCODINGS
+from server.api.pcm import ENCODINGS
 from server.errors import ErrorKind, ServiceError, StrEnum
 
 

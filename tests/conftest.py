@@ -119,3 +119,32 @@ def speechlike(n: int, sr: int = 16000, seed: int = 0, channels: int = 0) -> np.
     if channels:
         x = np.stack([np.roll(x, 37 * c) * (1.0 - 0.2 * c) for c in range(channels)], axis=1)
     return x
+
+
+def broken_audio() -> dict[str, bytes]:
+    """Broken audio files (name -> bytes): truncated, not audio, NaN samples, a header alone, empty."""
+    import io
+
+    import soundfile as sf
+
+    good = io.BytesIO()
+    sf.write(good, speechlike(16000), 16000, format="WAV", subtype="PCM_16")
+    nan = io.BytesIO()
+    x = speechlike(4000)
+    x[100] = np.nan
+    sf.write(nan, x, 16000, format="WAV", subtype="FLOAT")
+    return {"truncated.wav": good.getvalue()[:20000], "junk.wav": b"hello, this is not audio" * 20,
+            "nan.wav": nan.getvalue(), "header.wav": good.getvalue()[:30], "empty.wav": b""}
+
+
+def core_message(data: bytes) -> str:
+    """What the core's reader says of these bytes (the service answers with the same words)."""
+    import io
+
+    from enhancer.audio_io import AudioReader
+    from enhancer.errors import AudioError
+
+    with pytest.raises(AudioError) as e, AudioReader(io.BytesIO(data)) as r:
+        while r.read(16000) is not None:
+            pass
+    return str(e.value)

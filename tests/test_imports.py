@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("enhancer", "server", "training")
 HARNESS = "tools"  # test, load, fuzz, soak and GPU-box tooling: run from a checkout, never installed

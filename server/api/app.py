@@ -16,9 +16,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import enhancer
+from enhancer.errors import EnhancerError
 from server.api import rest, ws
 from server.api.auth import QUERY, ApiKeyMiddleware
-from server.errors import ErrorKind, ServiceError
+from server.errors import ErrorKind, ServiceError, from_core
 from server.metrics import Metrics
 from server.scheduling.scheduler import Scheduler
 from server.settings import Settings
@@ -91,6 +92,10 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             retry = e.retry_after_s if e.retry_after_s is not None else 1
             headers = (headers or {}) | {"Retry-After": str(max(1, int(-(-retry // 1))))}
         return JSONResponse(e.rest_body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(EnhancerError)
+    async def core_error(request: Request, e: EnhancerError):
+        return await service_error(request, from_core(e))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):

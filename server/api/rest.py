@@ -17,8 +17,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from enhancer.audio_io import OUTPUT_FORMATS as FORMATS
+from enhancer.audio_io import AudioReader, AudioWriter, output_format
 from server.api.aio import timeout as _timeout
-from server.api.audio_io import FORMATS, AudioReader, AudioWriter, output_format
 from server.api.auth import require_api_key
 from server.errors import ErrorKind, ServiceError
 from server.messages import Source
@@ -123,7 +124,8 @@ async def enhance(
 async def _enhance_file(request: Request, upload, atten_lim_db, format, band: str = "full"):
     """Decode -> scheduler -> encode, block by block. Returns (spooled output, writer, reader)."""
     settings, scheduler = request.app.state.settings, request.app.state.scheduler
-    reader = AudioReader(upload, settings.max_channels, settings.max_duration_s)
+    reader = _open(upload, settings.max_channels, settings.max_duration_s)
+    max_frames = int(settings.max_duration_s * reader.info.sample_rate)
     out_file = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
     writer = None
     try:
@@ -134,6 +136,9 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format, band: st
         try:
             block = max(1, int(settings.rest_chunk_s * info.sample_rate))
             while (x := await run_in_threadpool(reader.read, block)) is not None:
+                if reader.read_frames > max_frames:
+                    raise ServiceError(ErrorKind.TOO_LONG, f"the audio is longer than the limit of "
+                                       f"{settings.max_duration_s:g} s")
                 y = await job.process(x)
                 await run_in_threadpool(writer.write, _finite(y))
             writer.write(_finite(await job.finish()))
@@ -148,6 +153,22 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format, band: st
     finally:
         reader.close()
     return out_file, writer, reader
+
+
+def _open(upload, max_channels: int, max_duration_s: float) -> AudioReader:
+    """The core's reader of the upload (its errors are mapped by the app's handler), within the
+    service's limits on channels and duration."""
+    reader = AudioReader(upload)
+    info = reader.info
+    if not 1 <= info.channels <= max_channels:
+        reader.close()
+        raise ServiceError(ErrorKind.INVALID_AUDIO, f"the file has {info.channels} channels; at most {max_channels} "
+                           "are supported")
+    if info.duration_s > max_duration_s:
+        reader.close()
+        raise ServiceError(ErrorKind.TOO_LONG, f"the audio is {info.duration_s:.1f} s long; the limit is "
+                           f"{max_duration_s:g} s")
+    return reader
 
 
 def _finite(y):

@@ -34,7 +34,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from enhancer.cursor import StepFrame, delay_at
 from server.api.aio import timeout as _timeout
-from server.api.audio_io import decode_pcm, encode_pcm
+from server.api.pcm import decode_pcm, encode_pcm
 from server.errors import ErrorKind, ServiceError, too_large
 from server.messages import Source, StartMessage, event_message
 from server.scheduling.commands import Delivery

@@ -17,7 +17,7 @@ from enhancer.cursor import check_channels
 from enhancer.errors import AudioError
 from enhancer.runtime import min_gain_for
 from enhancer.signal import check_rate
-from server.errors import ErrorKind, ServiceError
+from server.errors import ErrorKind, ServiceError, from_core
 from server.messages import Source
 from server.metrics import Metrics
 from server.scheduling.capacity import Capacity
@@ -51,7 +51,7 @@ def check_parameters(settings: Settings, sample_rate, channels, atten_lim_db) ->
         check_channels(channels, settings.max_channels)
         min_gain_for(atten_lim_db)
     except AudioError as e:
-        raise ServiceError(ErrorKind.INVALID_PARAMETER, str(e)) from None
+        raise from_core(e, ErrorKind.INVALID_PARAMETER) from None
     return rate
 
 

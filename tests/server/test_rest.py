@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.conftest import speechlike
+from tests.conftest import broken_audio, core_message, speechlike
 from tests.tolerance import assert_close_to_peak, assert_differs
 
 LSB = 1 / 32768
@@ -254,3 +254,16 @@ def test_bad_band(http):
     assert r.status_code == 422, r.text
     r = http.post("/v1/enhance", files={"file": ("x.wav", wav_bytes(48000), "audio/wav")}, data={"band": "wide"})
     assert_error(r, 422, "invalid_parameter", "band")
+
+
+def test_broken_files_get_the_readers_own_message(http):
+    """The service reads uploads with the core's reader and maps its errors in one place: each
+    broken file's answer carries the reader's message (what `enhancer denoise` prints), with the
+    kind of its error."""
+    kinds = {"truncated.wav": (422, "invalid_audio"), "junk.wav": (415, "unsupported_media"),
+             "nan.wav": (422, "invalid_audio"), "header.wav": (422, "invalid_audio"), "empty.wav": (400, "empty_input")}
+    for name, data in broken_audio().items():
+        r = http.post("/v1/enhance", content=data, headers={"Content-Type": "audio/wav"})
+        assert_error(r, *kinds[name])
+        assert r.json()["error"]["message"] == core_message(data), name
+
