@@ -10,7 +10,8 @@ package, not in the image):
 
 Helpers: `launch` (a server process on a free loopback port), `rawws` (a websocket client that can
 send what no library would), `fuzz_cases` (the fuzzing strategies), `machine_stalls` (whether
-the whole machine stalled). See server/README.md.
+the whole machine stalled), `loadtest_clients` (the load generator's clients), `gpu_check_load`
+(gpu_check's load-test stages), `gpustage_pack` (gpustage's `prepare`). See server/README.md.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from .prepare import (
     prepare_model,
     schedule_length,
 )
-from .progress import Progress
+from .progress import Progress, StepRates
 from .resume import choose_model, restore_progress, resume_point
 from .runfolder import RunFolder
 
@@ -287,12 +287,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         o, d = self.opts, self.dist
-        seconds_per_step = self.batch_size * d.world * self.mix.segment_seconds
         start = last_ckpt = time.time()
         progress = Progress(o.max_steps, self.step, enabled=d.main and not o.quiet)
-        acc_loss = acc_n = 0
-        acc_time = step_s = 0.0
-        rate = float("nan")
+        rates = StepRates(self.batch_size * d.world * self.mix.segment_seconds, o.log_every)
         handlers = stop_on_signals(self._stop)
         try:
             while True:
@@ -310,13 +307,9 @@ class Trainer:
                 loss = loss_sum / d.world
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"step {self.step}: loss is {loss}; lower the learning rate or check the data")
-                acc_loss, acc_n, acc_time, step_s = acc_loss + loss, acc_n + 1, acc_time + dt, step_s + dt
-                if acc_n >= o.log_every:
-                    rate = seconds_per_step * acc_n / acc_time
-                    self._metrics_row("train", acc_loss / acc_n, rate, gnorm)
-                    acc_loss = acc_n = 0
-                    acc_time = 0.0
-                progress.update(self.step, loss=loss, rate=rate if math.isfinite(rate) else seconds_per_step / dt, lr=self.lr)
+                if (mean := rates.add(loss, dt)) is not None:
+                    self._metrics_row("train", mean, rates.rate, gnorm)
+                progress.update(self.step, loss=loss, rate=rates.shown(dt), lr=self.lr)
                 if self._validate_and_save(progress, due_all):
                     last_ckpt = time.time()
                 if stop and self.stop_reason is None:
@@ -336,10 +329,10 @@ class Trainer:
         self.log(f"stopped at step {self.step}: {self.stop_reason}; checkpoints in {self.ckpt.dir}")
         return {"step": self.step, "stop_reason": self.stop_reason, "best_valid": self.best,
                 "best_dev": self.best_dev.to_dict() if self.best_dev is not None else None,
-                "audio_s_per_s": rate, "checkpoint": str(self.ckpt.latest()),
+                "audio_s_per_s": rates.rate, "checkpoint": str(self.ckpt.latest()),
                 # the share of the steps' time spent waiting for batches: near 0, the device (or the
                 # trainer's core) bounds the run; near 1, the mixing does (more --data-workers)
-                "data_wait_share": self.data_wait_s / step_s if step_s > 0 else None}
+                "data_wait_share": self.data_wait_s / rates.total_s if rates.total_s > 0 else None}
 
     def _validate_and_save(self, progress: Progress, due: bool) -> bool:
         """At this step: validate (every `valid_every`), score the dev set (every `dev_every`) and

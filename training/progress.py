@@ -2,6 +2,7 @@
 (so a log file from `nohup` stays readable)."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -45,3 +46,29 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class StepRates:
+    """The train rows' figures: every `every` steps, the mean loss of those steps and their audio
+    seconds per wall second (`rate`: the last row's, NaN before the first); and the wall time of
+    every step counted (`total_s`)."""
+
+    def __init__(self, audio_s_per_step: float, every: int):
+        self.audio_s_per_step, self.every = audio_s_per_step, every
+        self.loss, self.n, self.seconds = 0.0, 0, 0.0  # since the last row
+        self.rate = float("nan")
+        self.total_s = 0.0
+
+    def add(self, loss: float, dt: float) -> float | None:
+        """Count a step of `loss` that took `dt` s: the mean loss since the last row when a row is
+        due (then `rate` is that row's), else None."""
+        self.loss, self.n, self.seconds, self.total_s = self.loss + loss, self.n + 1, self.seconds + dt, self.total_s + dt
+        if self.n < self.every:
+            return None
+        mean, self.rate = self.loss / self.n, self.audio_s_per_step * self.n / self.seconds
+        self.loss, self.n, self.seconds = 0.0, 0, 0.0
+        return mean
+
+    def shown(self, dt: float) -> float:
+        """The rate to display after a step of `dt` s: the last row's, or that step's before the first row."""
+        return self.rate if math.isfinite(self.rate) else self.audio_s_per_step / dt

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import gpustage
+from tools import gpustage, gpustage_pack
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def device_tree(carried: Path, tmp_path: Path, skip: int | None = None) -> Path:
 def test_prepare_writes_pieces_plan_and_calls(carried):
     plan = json.loads((carried / "plan.json").read_text())
     pieces = plan["pieces"]
-    assert len(pieces) >= 2 and plan["format"] == gpustage.FORMAT
+    assert len(pieces) >= 2 and plan["format"] == gpustage_pack.FORMAT
     assert all(p["mib"] <= 0.5 for p in pieces)
     assert "init.pt" in pieces[0]["files"] and plan["init"] == "piece-00/init.pt"
     assert sum((carried / p["name"] / f"part-{k:02d}").stat().st_size for k, p in enumerate(pieces)) == plan["tar"]["bytes"]
@@ -66,7 +66,7 @@ def test_run_trains_averages_and_reports(carried, tmp_path, monkeypatch):
     summary = json.loads((out / "summary.json").read_text())
     assert rc == 0, summary
     assert summary["status"] == "ok" and summary["error"] is None
-    assert set(gpustage.OUTPUTS) <= set(summary["outputs"]) == {p.name for p in out.iterdir()}
+    assert set(gpustage_pack.OUTPUTS) <= set(summary["outputs"]) == {p.name for p in out.iterdir()}
     assert summary["fit"]["result"]["step"] == 2 and summary["fit"]["returncode"] == 0
     assert 0 < summary["fit"]["result"]["data_wait_share"] < 1  # on the CPU the trainer mixes its own batches
     assert summary["checkpoints_averaged"] == ["step-00000001.pt", "step-00000002.pt"]
@@ -152,15 +152,15 @@ def test_the_run_shrinks_to_fit_the_device_budget(tmp_path, capsys):
     assert "pack less" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (gpustage.ROOT / ".git").exists(), reason="the tree that travels is what git lists")
+@pytest.mark.skipif(not (gpustage_pack.ROOT / ".git").exists(), reason="the tree that travels is what git lists")
 def test_every_device_call_has_room_for_a_quarter_of_the_pack():
     """Each device call carries the whole checkout, so what the checkout weighs comes off every piece:
     today's 251 MiB pack goes in 11 pieces (7 of 15 device minutes left to train) while a call keeps
     24 MiB for its piece. Fails when the checkout grows (e.g. the corpus recipes committed unzipped:
     8.1 MB instead of 1.7)."""
-    tree = gpustage.tree_mib()
+    tree = gpustage_pack.tree_mib()
     assert tree > 30  # the models are tracked: the measure sees them
-    room = gpustage.CALL_MIB - gpustage.MARGIN_MIB - tree
+    room = gpustage_pack.CALL_MIB - gpustage_pack.MARGIN_MIB - tree
     assert room >= 24, f"the checkout is {tree:.1f} MiB: a device call keeps only {room:.1f} MiB for a piece"
 
 
@@ -172,7 +172,7 @@ def test_the_default_recipe_trains_the_shipped_model_on_its_whole_attention_wind
     staging.mkdir()
     (staging / "index.json").write_text(json.dumps({"sets": {"speech_train": {"seconds": 3600.0}}}))
     (staging / "speech_train-000.flac").write_bytes(bytes(1 << 16))
-    init = str(gpustage.ROOT / "models" / "tim.pt")
+    init = str(gpustage_pack.ROOT / "models" / "tim.pt")
     args = ["prepare", "--staging", str(staging), "--no-wheels", "--init", init]
 
     assert gpustage.main([*args, "--out", str(tmp_path / "a" / "gpu-carry")]) == 0
@@ -203,7 +203,7 @@ def test_the_default_recipe_trains_the_shipped_model_on_its_whole_attention_wind
     assert stop.value.code == 2 and "--segment-seconds: invalid float value: 'six'" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
 
-    assert gpustage.default_fit(None)[-4:] == ["--batch-size", "128", "--segment-seconds", "4"]  # the preset
+    assert gpustage_pack.default_fit(None)[-4:] == ["--batch-size", "128", "--segment-seconds", "4"]  # the preset
 
 
 @pytest.mark.parametrize("returncode, status", [(-15, "ok"), (-9, "partial")])
@@ -236,8 +236,8 @@ def test_hours_replace_only_the_sets_they_name():
     def caps(pairs):
         return _assignments(pairs, "--max-hours", "SET=HOURS", float)
 
-    default = caps(gpustage.HOURS)
-    assert caps(gpustage.pack_hours(None)) == default
-    got = caps(gpustage.pack_hours(["speech_train=1", "noise_train=2"]))
+    default = caps(gpustage_pack.HOURS)
+    assert caps(gpustage_pack.pack_hours(None)) == default
+    got = caps(gpustage_pack.pack_hours(["speech_train=1", "noise_train=2"]))
     assert got == {**default, "speech_train": 1.0, "noise_train": 2.0}
     assert got["music_valid"] == default["music_valid"] < 1
