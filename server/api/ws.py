@@ -22,7 +22,6 @@ then {"type": "on_time", "lateness_ms"} once it has caught up; if its backlog wa
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import math
@@ -37,8 +36,7 @@ from server.api.aio import timeout as _timeout
 from server.api.pcm import decode_pcm, encode_pcm
 from server.errors import ErrorKind, ServiceError, too_large
 from server.messages import Source, StartMessage, event_message
-from server.scheduling.commands import Delivery
-from server.scheduling.jobs import Job
+from server.scheduling.jobs import Delivery, Job
 
 log = logging.getLogger("tim_enhancer.server")
 
@@ -81,6 +79,10 @@ async def stream(ws: WebSocket) -> None:
 
 
 class StreamSession:
+    """The websocket handler of one live job: the socket, the message-rate limit, parsing the
+    client's messages and writing the job's deliveries, and the server's drain. What the job has
+    sent and what is acknowledged is the `Job`'s (`server.scheduling.jobs`), not kept here."""
+
     def __init__(self, ws: WebSocket):
         self.ws = ws
         app = ws.app
@@ -88,9 +90,6 @@ class StreamSession:
         self.job: Job | None = None
         self.closing = False
         self.writer: asyncio.Task | None = None
-        self.in_flight: collections.deque = collections.deque()  # (seq, samples) pushed, not yet processed
-        self.buffered = 0
-        self.drained = asyncio.Event()
         self.samples_in = 0
         self.samples_out = 0
         self.draining = False
@@ -110,12 +109,11 @@ class StreamSession:
         else:
             start = StartMessage()
         self.encoding = start.encoding
-        self.channels = start.channels
         self.job = self.scheduler.open(start.sample_rate, start.channels, start.atten_lim_db, start.metadata,
                                        Source.STREAM, start.band)
-        self.rate = self.job.sample_rate
-        self.max_samples = int(s.max_stream_s * self.rate)
-        self.max_buffered = max(int(s.max_buffered_s * self.rate), 1)
+        rate = self.job.sample_rate
+        self.max_samples = int(s.max_stream_s * rate)
+        self.max_buffered = max(int(s.max_buffered_s * rate), 1)
         await self._send_json(self._ready_message(start))
         self.writer = asyncio.create_task(self._write())
         message = first
@@ -132,6 +130,11 @@ class StreamSession:
             pass  # shutting down: the tail of what was received, then close 1012
         self.job.end()
         await self.writer
+
+    @property
+    def buffered(self) -> int:
+        """Samples pushed to the job and not yet acknowledged."""
+        return self.job.buffered if self.job is not None else 0
 
     def drain(self) -> None:
         """Stop reading at the next message boundary (wakes a receive that is waiting)."""
@@ -179,32 +182,31 @@ class StreamSession:
         self._tokens -= 1.0
 
     def _ready_message(self, start: StartMessage) -> dict:
-        cfg = self.scheduler.enhancer.config
+        cfg, job = self.scheduler.enhancer.config, self.job
         return {
-            "type": "ready", "sample_rate": self.rate, "encoding": self.encoding, "channels": self.channels,
+            "type": "ready", "sample_rate": job.sample_rate, "encoding": self.encoding, "channels": job.channels,
             "atten_lim_db": start.atten_lim_db, "metadata": start.metadata, "band": start.band,
             "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
-            "delay_samples": delay_at(cfg, self.rate), "max_message_bytes": self.settings.max_message_bytes,
+            "delay_samples": delay_at(cfg, job.sample_rate), "max_message_bytes": self.settings.max_message_bytes,
         }
 
     async def _audio(self, data: bytes) -> None:
-        x = decode_pcm(data, self.encoding, self.channels)
+        job = self.job
+        x = decode_pcm(data, self.encoding, job.channels)
         n = x.shape[0]
         if n == 0:
             return
         self.samples_in += n
         if self.samples_in > self.max_samples:
             raise ServiceError(ErrorKind.TOO_LONG, f"the stream is over the limit of {self.settings.max_stream_s:g} s of audio")
-        while self.buffered >= self.max_buffered:  # inference is behind: stop reading until it catches up
-            self.drained.clear()
-            await self._wait_drained()
-        seq = self.job.push(x)
-        self.in_flight.append((seq, n))
-        self.buffered += n
-        self.metrics.stream_seconds.inc(n / self.rate)
+        while job.buffered >= self.max_buffered:  # inference is behind: stop reading until it catches up
+            job.acknowledged.clear()
+            await self._wait_acknowledged()
+        job.push(x)
+        self.metrics.stream_seconds.inc(n / job.sample_rate)
 
-    async def _wait_drained(self) -> None:
-        waiter = asyncio.ensure_future(self.drained.wait())
+    async def _wait_acknowledged(self) -> None:
+        waiter = asyncio.ensure_future(self.job.acknowledged.wait())
         done, _ = await asyncio.wait({waiter, self.writer}, return_when=asyncio.FIRST_COMPLETED)
         if waiter not in done:
             waiter.cancel()
@@ -228,7 +230,6 @@ class StreamSession:
             if d.error is not None:
                 await self.fail(d.error)
                 return
-            self._acknowledge(d.acked)
             if d.audio.shape[0] and not np.isfinite(d.audio).all():  # output guard: never send NaN/Inf
                 await self.fail(ServiceError(ErrorKind.INTERNAL, "the enhancement produced invalid samples; the stream "
                                              "was closed"))
@@ -250,11 +251,6 @@ class StreamSession:
                     await self._send_json({"type": "end", "samples": self.samples_out})
                     await self._close(1000)
                 return
-
-    def _acknowledge(self, acked: int) -> None:
-        while self.in_flight and self.in_flight[0][0] <= acked:
-            self.buffered -= self.in_flight.popleft()[1]
-        self.drained.set()
 
     @staticmethod
     def _metadata_message(frames: list[StepFrame]) -> dict:

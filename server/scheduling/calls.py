@@ -3,8 +3,8 @@ every hop the service steps (an inference worker's rounds and the step server's)
 
 A live hop is a one-frame call like any other (hops (k, 1, hop)); a file's chunk or a late
 stream's backlog has T frames. The parts of one call all have the same T. When the batched call
-fails, each part is retried alone (a lane pool's state only changes when a call succeeds), so a
-fault tied to one caller fails that caller only and a transient one fails none.
+fails, each part is retried alone, a lone part too (a lane pool's state only changes when a call
+succeeds), so a fault tied to one caller fails that caller only and a transient one fails none.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def rows(r: StepResult, a: int, b: int) -> StepResult:
 def run_parts(run: Callable[[np.ndarray, np.ndarray, np.ndarray], StepResult], parts: list[Part],
               done: Callable[[Part, StepResult], None], failed: Callable[[Part, Exception], None]) -> None:
     """`run(lanes, hops, gains)` once over every part; `done(part, result)` with each part's rows.
-    If the call fails, each part is run alone; `failed(part, error)` for a part that fails alone."""
+    If the call fails, each part is run once more alone (a lone part too); `failed(part, error)` for
+    a part that fails alone."""
     if not parts:
         return
     try:
@@ -50,13 +51,15 @@ def run_parts(run: Callable[[np.ndarray, np.ndarray, np.ndarray], StepResult], p
             r = run(np.concatenate([p.lanes for p in parts]), np.concatenate([p.hops for p in parts]),
                     np.concatenate([p.gains for p in parts]))
     except Exception as e:
-        if len(parts) == 1:
-            failed(parts[0], e)
-            return
-        log.warning("a batched call of %d parts (%d frame(s)) failed (%s: %s): each alone", len(parts),
+        log.warning("a batched call of %d part(s) (%d frame(s)) failed (%s: %s): each alone", len(parts),
                     parts[0].hops.shape[1], type(e).__name__, e)
         for p in parts:
-            run_parts(run, [p], done, failed)
+            try:
+                alone = run(p.lanes, p.hops, p.gains)
+            except Exception as err:
+                failed(p, err)
+                continue
+            done(p, alone)
         return
     o = 0
     for p in parts:

@@ -1,7 +1,7 @@
 """What files (REST jobs) may use of a worker: `FileShare`.
 
-Beside live streams on the same worker, files ride in the lanes that the live streams leave within
-the worker's capacity (its `LaneLedger`). In a step of their own, while live streams are served
+Beside live jobs on the same worker, files ride in the lanes that the live jobs leave within
+the worker's capacity (its `LaneLedger`). In a step of their own, while live jobs are served
 anywhere in the service (the cores are shared), files step only within a duty cycle: a credit
 refills at (1 - capacity_margin) s per s, up to one hop's worth, and every inference call spends
 its duration.
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from server.scheduling.admission import LaneLedger
-from server.scheduling.streams import StreamState
+from server.scheduling.jobs import Job
 
 
 class FileShare:
@@ -34,8 +34,8 @@ class FileShare:
         self.credit = min(self.credit + (now - self.credit_t) * self.duty, self.hop_s * self.duty)
         self.credit_t = now
 
-    def allowed(self, files: list[StreamState], with_live: bool, now: float) -> tuple[list[StreamState], float | None]:
-        """The files that may step now (beside this worker's live streams when `with_live`), and
+    def allowed(self, files: list[Job], with_live: bool, now: float) -> tuple[list[Job], float | None]:
+        """The files that may step now (beside this worker's live jobs when `with_live`), and
         otherwise how long to wait before they may (None: until a command arrives)."""
         if not files:
             return [], None
@@ -48,8 +48,8 @@ class FileShare:
             return files, None
         room = max(ledger.capacity - ledger.live, 0)
         chosen = []
-        for st in files:
-            if st.channels <= room:
-                chosen.append(st)
-                room -= st.channels
+        for job in files:
+            if job.channels <= room:
+                chosen.append(job)
+                room -= job.channels
         return chosen, None

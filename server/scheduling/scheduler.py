@@ -1,10 +1,10 @@
 """Batched inference, the event loop's side: the inference workers (`server.scheduling.worker`), admission
-of streams and files onto them (`server.scheduling.admission`), and the `Job` a handler holds for each
-(`server.scheduling.jobs`).
+of jobs (live streams and files) onto them (`server.scheduling.admission`), and the `Job` a handler and
+its worker hold for each (`server.scheduling.jobs`).
 
 The event loop never runs inference. Each `Worker` thread owns one lane pool on the shared
-onnxruntime session and steps every stream with a pending hop in one batched call per round
-(`server.scheduling.batcher`). A stream with nothing pending is simply not in the round, so it delays no one;
+onnxruntime session and steps every job with a pending hop in one batched call per round
+(`server.scheduling.batcher`). A job with nothing pending is simply not in the round, so it delays no one;
 new audio that arrives during a round joins the next one (dynamic batching, no added wait).
 """
 from __future__ import annotations
@@ -24,8 +24,7 @@ from server.metrics import Metrics
 from server.scheduling import capacity as calibration
 from server.scheduling.admission import Admission, LaneLedger, check_parameters
 from server.scheduling.capacity import TICK_S, Capacity, CapacityTracker
-from server.scheduling.commands import Open
-from server.scheduling.jobs import Job
+from server.scheduling.jobs import Job, Open
 from server.scheduling.worker import Worker
 from server.settings import Settings
 
@@ -222,8 +221,8 @@ class Scheduler:
         if not self.ready:
             raise ServiceError(ErrorKind.INTERNAL, "inference workers are not running")
         i = self.admission.admit(source, channels)
-        job = Job(next(self._ids), self.workers[i], self.ledgers[i], sample_rate, channels, bool(metadata), source,
-                  self.release)
+        job = Job(next(self._ids), source, sample_rate, channels, bool(metadata), worker=self.workers[i],
+                  ledger=self.ledgers[i], release=self.release)
         self.jobs[job.id] = job
         job.worker.submit(Open(job, atten_lim_db, band))
         return job

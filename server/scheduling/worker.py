@@ -1,11 +1,12 @@
 """An inference worker: a thread that owns a lane pool on the shared onnxruntime session and the
-streams placed on it (`server.scheduling.admission` places them), and repeats:
+jobs placed on it (`server.scheduling.admission` places them), and repeats:
 
     apply queued commands -> one batching round (`server.scheduling.batcher`) -> hand finished output to
     the loop (call_soon_threadsafe)
 
-Every pool and stream-state operation of a worker happens on its thread. What files may use of
-it is `server.scheduling.duty`'s; when a live stream is late, and when it skips its backlog, is
+Every pool operation of a worker, and every write of a job's worker-side fields
+(`server.scheduling.jobs.Job`), happens on its thread. What files may use of
+it is `server.scheduling.duty`'s; when a live job is late, and when it skips its backlog, is
 `server.scheduling.lateness`'s.
 """
 from __future__ import annotations
@@ -27,17 +28,17 @@ from server.metrics import Metrics
 from server.scheduling.admission import LaneLedger
 from server.scheduling.batcher import Batcher
 from server.scheduling.capacity import PROBE_INTERVAL_S, PROBE_LANES
-from server.scheduling.commands import Close, Command, Delivery, End, JobHandle, Open, Push
 from server.scheduling.duty import FileShare
+from server.scheduling.jobs import Close, Command, Delivery, End, Job, Open, Push
 from server.scheduling.lateness import LatenessPolicy
-from server.scheduling.streams import StreamState
 from server.settings import Settings
 
 log = logging.getLogger("tim_enhancer.server")
 
 
 class Worker(threading.Thread):
-    """An inference thread: a lane pool on the shared session, and the streams placed on it.
+    """An inference thread: a lane pool on the shared session, and the jobs placed on it (`jobs`:
+    the same `Job` objects the event loop holds).
 
     `ledger` is this worker's `LaneLedger` (capacity and admitted lanes); `service_live()` is the
     number of live lanes admitted in the whole service: files step on their own only within a duty
@@ -53,19 +54,19 @@ class Worker(threading.Thread):
         self.ledger = LaneLedger(size=pool_size, capacity=pool_size, free=pool_size)  # admission sets the capacity
         cfg = enhancer.config
         hop_s = cfg.stft.hop / cfg.stft.sample_rate
-        self.streams: dict[int, StreamState] = {}
+        self.jobs: dict[int, Job] = {}
         self.files = FileShare(self.ledger, hop_s, s.capacity_margin, service_live or (lambda: 0))
         self.lateness = LatenessPolicy(s, hop_s, metrics, str(index))
-        self.batcher = Batcher(self.pool, self.streams, metrics, self.lateness, self.files, max_wait_s,
+        self.batcher = Batcher(self.pool, self.jobs, metrics, self.lateness, self.files, max_wait_s,
                                self._close_failed)
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()
         self._stopping = False
-        self._out: list[tuple[JobHandle, Delivery]] = []
-        self._acks_due = False  # a push left a stream with output to hand over but no hop to step
+        self._out: list[tuple[Job, Delivery]] = []
+        self._acks_due = False  # a push left a job with output to hand over but no hop to step
         self._lanes_gauge = metrics.lanes_in_use.labels(worker=str(index))
         # step timings for the capacity that follows the machine (server.scheduling.capacity.CapacityTracker): the
-        # batched live steps, and while `probing` and the worker holds no stream, a probe step of up to
+        # batched live steps, and while `probing` and the worker holds no job, a probe step of up to
         # PROBE_LANES free lanes every PROBE_INTERVAL_S (an idle replica's capacity follows the machine too)
         self.timings: collections.deque = collections.deque(maxlen=4096)
         self.batcher.timings = self.timings
@@ -76,8 +77,8 @@ class Worker(threading.Thread):
 
     @property
     def live_lanes(self) -> int:
-        """Lanes of the live streams this worker holds now."""
-        return sum(st.channels for st in self.streams.values() if st.live)
+        """Lanes of the live jobs this worker holds now."""
+        return sum(job.channels for job in self.jobs.values() if job.live)
 
     def take_timings(self) -> list[tuple[int, float]]:
         """(lanes, seconds) of the steps timed since the last call (any thread)."""
@@ -89,17 +90,17 @@ class Worker(threading.Thread):
                 return out
 
     def _probe_in(self) -> float | None:
-        """Seconds until the next probe step is due; None when none is (not probing, or streams held)."""
-        if not self.probing or self.streams:
+        """Seconds until the next probe step is due; None when none is (not probing, or jobs held)."""
+        if not self.probing or self.jobs:
             return None
         return self._next_probe - time.perf_counter()
 
     def _probe(self) -> None:
-        """Time one step of up to PROBE_LANES free lanes (the worker holds no stream)."""
+        """Time one step of up to PROBE_LANES free lanes (the worker holds no job)."""
         n = min(max(self.ledger.capacity, 1), PROBE_LANES, self.pool.n_free)
         try:
             if n > 0:
-                lanes = self.pool.alloc(n)  # reset: the probe's state never reaches a stream
+                lanes = self.pool.alloc(n)  # reset: the probe's state never reaches a job
                 try:
                     t0 = time.perf_counter()
                     self.pool.step(lanes, self._probe_hops[:n], np.ones(n, np.float32))
@@ -146,125 +147,124 @@ class Worker(threading.Thread):
                 if probe is not None and probe <= 0:
                     self._probe()
                     continue
-                if cmds and self.batcher.wait() != 0:  # the step waits for more streams
+                if cmds and self.batcher.wait() != 0:  # the step waits for more live jobs
                     if self._acks_due:
                         self._deliver()  # acknowledge pushes too short to make a hop
                     continue
                 self.batcher.round()
                 self._deliver()
-            except Exception as e:  # a bug: fail the streams on this worker, keep serving
-                log.exception("inference worker %d failed; closing its streams", self.index)
-                for st in list(self.streams.values()):
-                    self._close_failed(st, e)
-        for st in list(self.streams.values()):
-            self._drop(st)
+            except Exception as e:  # a bug: fail the jobs on this worker, keep serving
+                log.exception("inference worker %d failed; closing its jobs", self.index)
+                for job in list(self.jobs.values()):
+                    self._close_failed(job, e)
+        for job in list(self.jobs.values()):
+            self._drop(job)
 
     # ------------------------------------------------------------------ commands
     def apply(self, cmd: Command) -> None:
-        """Apply one command; a failure closes that command's stream only."""
+        """Apply one command; a failure closes that command's job only."""
         try:
             self._apply(cmd)
-        except Exception as e:  # a bug in this stream's command: close it, keep serving
+        except Exception as e:  # a bug in this job's command: close it, keep serving
             job = cmd.job
-            log.exception("stream %d: %s failed", job.id, type(cmd).__name__.lower())
+            log.exception("job %d: %s failed", job.id, type(cmd).__name__.lower())
             self._fail(job, e, internal=True)
-            st = self.streams.get(job.id)
-            if st is not None:
-                self._drop(st)
+            self._drop(job)
 
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, Open):
             self._open(cmd)
             return
-        st = self.streams.get(cmd.job.id)
-        if st is None:
+        job = cmd.job
+        if self.jobs.get(job.id) is not job:
             return  # closed or failed already
         if isinstance(cmd, Push):
-            self._push(st, cmd)
+            self._push(job, cmd)
         elif isinstance(cmd, End):
-            self._end(st, cmd)
+            self._end(job, cmd)
         elif isinstance(cmd, Close):
-            self._drop(st)
+            self._drop(job)
         else:
             raise TypeError(f"unknown command {cmd!r}")
 
     def _open(self, cmd: Open) -> None:
         job = cmd.job
         try:
-            cursor = StreamCursor(self.enhancer.engine, job.sample_rate, job.channels, cmd.atten_lim_db,
-                                  job.metadata, self.pool, cmd.band)
+            job.cursor = StreamCursor(self.enhancer.engine, job.sample_rate, job.channels, cmd.atten_lim_db,
+                                      job.metadata, self.pool, cmd.band)
         except (AudioError, RuntimeError) as e:  # invalid parameters, or no free lane: reported to the client
             self._fail(job, e)
             return
-        self.streams[job.id] = StreamState(job, cursor)
+        self.jobs[job.id] = job
         self._lanes_gauge.set(self.pool.capacity - self.pool.n_free)
 
-    def _push(self, st: StreamState, cmd: Push) -> None:
-        c = st.cursor
+    def _push(self, job: Job, cmd: Push) -> None:
+        c = job.cursor
         had = c.ready_hops()
         try:
             c.push(cmd.pcm, "audio")
         except AudioError as e:
-            self._fail(st.job, e)
-            self._drop(st)
+            self._fail(job, e)
+            self._drop(job)
             return
-        st.arrivals.note_push(c.ready_hops() - had, cmd.arrived)
-        st.acked, st.dirty = cmd.seq, True
+        job.arrivals.note_push(c.ready_hops() - had, cmd.arrived)
+        job.acked, job.dirty = cmd.seq, True
         if not had:
-            st.ready_since = time.perf_counter()
+            job.ready_since = time.perf_counter()
         if not c.ready_hops():
             self._acks_due = True
 
-    def _end(self, st: StreamState, cmd: End) -> None:
-        st.cursor.begin_flush()
-        st.flushing, st.dirty, st.acked = True, True, cmd.seq
+    def _end(self, job: Job, cmd: End) -> None:
+        job.cursor.begin_flush()
+        job.flushing, job.dirty, job.acked = True, True, cmd.seq
         self._acks_due = True
 
     # ------------------------------------------------------------------ delivery
     def _deliver(self) -> None:
-        """Hand over output: live streams after every round they took part in (so a stream that is
-        behind still gets audio hop by hop), files and flushing streams once they have no hop left.
-        A push is acknowledged once all of its audio has been stepped."""
+        """Hand over output: live jobs after every round they took part in (so a job that is behind
+        still gets audio hop by hop), files and flushing jobs once they have no hop left. A push is
+        acknowledged once all of its audio has been stepped."""
         self._acks_due = False
-        for st in list(self.streams.values()):
-            if not st.dirty:
+        for job in list(self.jobs.values()):
+            if not job.dirty:
                 continue
             try:
-                self._deliver_one(st)
-            except Exception as e:  # a fault of this stream's output: close it alone
-                log.exception("stream %d: delivering output failed", st.job.id)
-                self._close_failed(st, e)
+                self._deliver_one(job)
+            except Exception as e:  # a fault of this job's output: close it alone
+                log.exception("job %d: delivering output failed", job.id)
+                self._close_failed(job, e)
         self._post()
 
-    def _deliver_one(self, st: StreamState) -> None:
-        c = st.cursor
+    def _deliver_one(self, job: Job) -> None:
+        c = job.cursor
         drained = not c.ready_hops()
-        if not drained and (st.flushing or not st.live):
+        if not drained and (job.flushing or not job.live):
             return
-        st.dirty = not drained
-        audio, final = (c.end_flush(), True) if st.flushing else (c.pull(), False)
-        events, st.events = st.events, []
-        acked = st.acked if drained else 0
-        self._out.append((st.job, Delivery(audio, c.log.pop(), acked, final, events=events)))
+        job.dirty = not drained
+        audio, final = (c.end_flush(), True) if job.flushing else (c.pull(), False)
+        events, job.events = job.events, []
+        acked = job.acked if drained else 0
+        self._out.append((job, Delivery(audio, c.log.pop(), acked, final, events=events)))
         if final:
-            self._drop(st)
+            self._drop(job)
 
-    def _close_failed(self, st: StreamState, e: Exception) -> None:
-        """Inference or bookkeeping of `st` failed: tell its client (internal error) and drop it."""
-        self._fail(st.job, e, internal=True)
-        self._drop(st)
+    def _close_failed(self, job: Job, e: Exception) -> None:
+        """Inference or bookkeeping of `job` failed: tell its client (internal error) and drop it."""
+        self._fail(job, e, internal=True)
+        self._drop(job)
 
-    def _fail(self, job: JobHandle, e: Exception, internal: bool = False) -> None:
+    def _fail(self, job: Job, e: Exception, internal: bool = False) -> None:
         if isinstance(e, AudioError) and not internal:
             err = ServiceError(ErrorKind.INVALID_AUDIO, str(e))
         else:
             err = ServiceError(ErrorKind.INTERNAL, "inference failed; the stream was closed")
-        self._out.append((job, Delivery(np.zeros((0, job.channels), np.float32), [], job.sent, True, err)))
+        self._out.append((job, Delivery(np.zeros((0, job.channels), np.float32), [], job.acked, True, err)))
         self._post()
 
-    def _drop(self, st: StreamState) -> None:
-        self.streams.pop(st.job.id, None)
-        st.cursor.close()
+    def _drop(self, job: Job) -> None:
+        self.jobs.pop(job.id, None)
+        if job.cursor is not None:
+            job.cursor.close()
         self._lanes_gauge.set(self.pool.capacity - self.pool.n_free)
 
     def _post(self) -> None:
@@ -281,6 +281,6 @@ class Worker(threading.Thread):
                 pass
 
 
-def _dispatch(batch: list[tuple[JobHandle, Delivery]]) -> None:
+def _dispatch(batch: list[tuple[Job, Delivery]]) -> None:
     for job, d in batch:
         job.deliver(d)

@@ -44,15 +44,15 @@ class LiveServer:
         return self.app.state.metrics
 
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Until every stream and job is released and every worker holds no lane."""
+        """Until every job (stream or file) is released and every worker holds no job and no lane."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             s = self.scheduler
-            if not s.jobs and all(not w.streams and w.pool.n_free == w.pool.capacity for w in s.workers):
+            if not s.jobs and all(not w.jobs and w.pool.n_free == w.pool.capacity for w in s.workers):
                 return
             time.sleep(0.02)
         raise AssertionError(f"server not idle: jobs={list(self.scheduler.jobs)}, "
-                             f"worker streams={[len(w.streams) for w in self.scheduler.workers]}")
+                             f"worker jobs={[len(w.jobs) for w in self.scheduler.workers]}")
 
     def stop(self) -> None:
         self.server.should_exit = True

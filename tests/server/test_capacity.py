@@ -18,10 +18,10 @@ from websockets.asyncio.client import connect as aconnect
 from websockets.sync.client import connect
 
 from enhancer.engine import LanePool
+from server.messages import Source
 from server.metrics import Metrics
 from server.scheduling import capacity as calibration
-from server.scheduling.commands import Open, Push
-from server.scheduling.streams import StreamState
+from server.scheduling.jobs import Job, Open, Push
 from server.scheduling.worker import Worker
 from server.settings import Settings
 from tests.conftest import speechlike
@@ -356,26 +356,24 @@ def test_settings_validate_capacity_and_lateness():
 # ---------------------------------------------------------------------------------- lateness
 def test_lateness_notices_behind_then_on_time(enhancer_rt):
     w = Worker(0, enhancer_rt, 4, Metrics(), settings=Settings.build(lateness_budget_ms=40, max_lateness_ms=200))
-    job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=16000)
-    st = StreamState(job, SimpleNamespace(channels=1, min_gain=0.0))
-    st.due = 10.0
-    w.lateness.observe(st, 10.010)
-    assert st.events == []
-    w.lateness.observe(st, 10.050)
-    w.lateness.observe(st, 10.090)  # told once per episode
-    assert [e.type for e in st.events] == ["late"] and st.events[0].budget_ms == 40.0
-    w.lateness.observe(st, 10.030)  # under the budget but not yet under half of it
-    w.lateness.observe(st, 10.010)
-    assert [e.type for e in st.events] == ["late", "on_time"]
+    job = Job(1, Source.STREAM, 16000, 1, loop=_Loop())
+    job.due = 10.0
+    w.lateness.observe(job, 10.010)
+    assert job.events == []
+    w.lateness.observe(job, 10.050)
+    w.lateness.observe(job, 10.090)  # told once per episode
+    assert [e.type for e in job.events] == ["late"] and job.events[0].budget_ms == 40.0
+    w.lateness.observe(job, 10.030)  # under the budget but not yet under half of it
+    w.lateness.observe(job, 10.010)
+    assert [e.type for e in job.events] == ["late", "on_time"]
 
 
 def test_due_time_ignores_clients_faster_than_real_time():
-    job = SimpleNamespace(source="stream", id=1)
-    st = StreamState(job, SimpleNamespace(channels=1, min_gain=0.0))
-    st.arrivals.note_push(100, 5.0)  # 1.6 s of audio at once: hop h is due h hops after the first arrival
-    assert st.arrivals.due_time(0, HOP_S) == 5.0 and st.arrivals.due_time(50, HOP_S) == pytest.approx(5.8)
-    st.arrivals.note_push(1, 20.0)  # after a pause: due when it arrived
-    assert st.arrivals.due_time(100, HOP_S) == 20.0
+    arrivals = Job(1, Source.STREAM, 16000, 1, loop=_Loop()).arrivals
+    arrivals.note_push(100, 5.0)  # 1.6 s of audio at once: hop h is due h hops after the first arrival
+    assert arrivals.due_time(0, HOP_S) == 5.0 and arrivals.due_time(50, HOP_S) == pytest.approx(5.8)
+    arrivals.note_push(1, 20.0)  # after a pause: due when it arrived
+    assert arrivals.due_time(100, HOP_S) == 20.0
 
 
 def stream_in_real_time(srv, x, sr: int, chunk: int):
@@ -405,13 +403,9 @@ def test_slow_step_stream_is_told_and_skips_its_backlog_with_the_gap_marked(live
     serving at full speed afterwards."""
     srv = live_slow
     pool = srv.scheduler.workers[0].pool
-    real_step, real_run = pool.step, pool.run
+    real_run = pool.run
 
-    def slow_step(*a, **kw):
-        time.sleep(0.040)
-        return real_step(*a, **kw)
-
-    def slow_run(lanes, hops, min_gain):
+    def slow_run(lanes, hops, min_gain):  # a live hop is a one-frame call
         time.sleep(0.040 * hops.shape[1])
         return real_run(lanes, hops, min_gain)
 
@@ -419,7 +413,6 @@ def test_slow_step_stream_is_told_and_skips_its_backlog_with_the_gap_marked(live
     x = speechlike(int(seconds * sr), sr, seed=21)[:, None]
     skipped0 = metric(srv, "tim_skipped_hops_total")
 
-    monkeypatch.setattr(pool, "step", slow_step)
     monkeypatch.setattr(pool, "run", slow_run)
     y, texts = stream_in_real_time(srv, x, sr, chunk)
     monkeypatch.undo()
@@ -453,10 +446,10 @@ def test_backlog_of_a_late_stream_is_one_multi_frame_call_equal_to_hop_by_hop(en
 
     def worker_with(arrived):
         w = Worker(0, enhancer_rt, 4, Metrics(), settings=Settings.build(lateness_budget_ms=40, max_lateness_ms=5000))
-        job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=sr, metadata=False)
+        job = Job(1, Source.STREAM, sr, 1, loop=_Loop())
         w.apply(Open(job, None))
         w.apply(Push(job, x, arrived, 1))
-        return w, w.streams[1]
+        return w, w.jobs[1]
 
     late_w, late = worker_with(time.perf_counter() - 0.5)
     calls = []
@@ -476,7 +469,7 @@ def test_backlog_of_a_late_stream_is_one_multi_frame_call_equal_to_hop_by_hop(en
 
 
 class _Loop:
-    """Stands in for a stream's event loop: keeps what a worker posts to it."""
+    """Stands in for a job's event loop: keeps what a worker posts to it."""
 
     def __init__(self):
         self.posted = []
@@ -491,7 +484,7 @@ def _worker_with_streams(enhancer_rt, signals, arrived, size=8, **limits):
                                                                         **limits))
     loop = _Loop()
     for i, x in enumerate(signals, 1):
-        job = SimpleNamespace(source="stream", id=i, channels=1, sample_rate=16000, metadata=False, loop=loop, sent=1)
+        job = Job(i, Source.STREAM, 16000, 1, loop=loop)
         w.apply(Open(job, None))
         w.apply(Push(job, x, arrived, 1))
     return w, loop
@@ -507,40 +500,40 @@ def test_streams_behind_together_run_their_backlogs_in_one_call(enhancer_rt, mon
     calls = []
     real_run = late_w.pool.run
     monkeypatch.setattr(late_w.pool, "run", lambda lanes, hops, g: calls.append(hops.shape) or real_run(lanes, hops, g))
-    ready = [late_w.streams[i].cursor.ready_hops() for i in (1, 2, 3, 4)]
+    ready = [late_w.jobs[i].cursor.ready_hops() for i in (1, 2, 3, 4)]
     assert ready == [11, 12, 13, 14]
     late_w.batcher.round()
     assert calls == [(4, 11, hop)]
     for _ in range(3):
         late_w.batcher.round()
-    assert [late_w.streams[i].cursor.ready_hops() for i in (1, 2, 3, 4)] == [0, 0, 0, 0]
+    assert [late_w.jobs[i].cursor.ready_hops() for i in (1, 2, 3, 4)] == [0, 0, 0, 0]
     assert calls[0][0] == 4 and all(c[0] < 4 for c in calls[1:]) and len(calls) <= 4
-    assert all(e.type == "late" for i in (1, 2, 3, 4) for e in late_w.streams[i].events[:1])
+    assert all(e.type == "late" for i in (1, 2, 3, 4) for e in late_w.jobs[i].events[:1])
 
     now_w, _ = _worker_with_streams(enhancer_rt, xs, time.perf_counter() + 100.0)  # on time: hop by hop
     for _ in range(max(ready)):
         now_w.batcher.round()
     for i in (1, 2, 3, 4):
-        assert now_w.streams[i].steps == ready[i - 1] and not now_w.streams[i].events
-        assert_close_to_peak(late_w.streams[i].cursor.pull(), now_w.streams[i].cursor.pull())
+        assert now_w.jobs[i].steps == ready[i - 1] and not now_w.jobs[i].events
+        assert_close_to_peak(late_w.jobs[i].cursor.pull(), now_w.jobs[i].cursor.pull())
 
 
 def test_streams_ending_together_flush_in_one_call(enhancer_rt, monkeypatch):
     """Three live streams that end in the same round flush their tails in one call of the lane pool."""
-    from server.scheduling.commands import End
+    from server.scheduling.jobs import End
 
     w, _ = _worker_with_streams(enhancer_rt, [speechlike(4000, 16000, seed=40 + k) for k in range(3)],
                                 time.perf_counter() + 100.0)
-    while any(st.cursor.ready_hops() for st in w.streams.values()):
+    while any(job.cursor.ready_hops() for job in w.jobs.values()):
         w.batcher.round()
-    for st in list(w.streams.values()):
-        w.apply(End(st.job, 1))
+    for job in list(w.jobs.values()):
+        w.apply(End(job, 1))
     calls = []
     real_run = w.pool.run
     monkeypatch.setattr(w.pool, "run", lambda lanes, hops, g: calls.append(hops.shape) or real_run(lanes, hops, g))
     w.batcher.round()
     assert len(calls) == 1 and calls[0][0] == 3, calls
-    assert all(not st.cursor.ready_hops() for st in w.streams.values())
+    assert all(not job.cursor.ready_hops() for job in w.jobs.values())
 
 
 def test_a_failing_group_call_closes_only_the_stream_it_fails_for(enhancer_rt, monkeypatch):
@@ -550,7 +543,7 @@ def test_a_failing_group_call_closes_only_the_stream_it_fails_for(enhancer_rt, m
     hop = 256
     xs = [speechlike(6 * hop, 16000, seed=50 + k) for k in range(3)]
     w, loop = _worker_with_streams(enhancer_rt, xs, time.perf_counter() - 0.5)
-    bad = int(w.streams[2].cursor.lanes[0])
+    bad = int(w.jobs[2].cursor.lanes[0])
     real_run = w.pool.run
 
     def run(lanes, hops, g):
@@ -560,15 +553,15 @@ def test_a_failing_group_call_closes_only_the_stream_it_fails_for(enhancer_rt, m
 
     monkeypatch.setattr(w.pool, "run", run)
     w.batcher.round()
-    assert sorted(w.streams) == [1, 3]
+    assert sorted(w.jobs) == [1, 3]
     errors = [(job.id, d.error) for job, d in loop.posted if d.error is not None]
     assert [(i, e.kind.value) for i, e in errors] == [(2, "internal")]
     now_w, _ = _worker_with_streams(enhancer_rt, xs, time.perf_counter() + 100.0)
     for _ in range(6):
         now_w.batcher.round()
     for i in (1, 3):
-        assert w.streams[i].cursor.ready_hops() == 0
-        assert_close_to_peak(w.streams[i].cursor.pull(), now_w.streams[i].cursor.pull())
+        assert w.jobs[i].cursor.ready_hops() == 0
+        assert_close_to_peak(w.jobs[i].cursor.pull(), now_w.jobs[i].cursor.pull())
 
 
 def test_lane_clusters_split_groups_whose_lanes_lie_far_apart():
@@ -597,16 +590,17 @@ def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_slow, enhanc
     srv = live_slow
     worker = srv.scheduler.workers[0]
     pool = worker.pool
-    real_step, real_backlog = pool.step, worker.batcher.run_backlog
+    real_run, real_backlog = pool.run, worker.batcher.run_backlog
     slow_until = []  # batched steps are slow for 0.6 s from the first one, then the machine is fast again
     backlog_hops = []
 
-    def slow_step(*a, **kw):
-        if not slow_until:
-            slow_until.append(time.perf_counter() + 0.6)
-        if time.perf_counter() < slow_until[0]:
-            time.sleep(0.040)
-        return real_step(*a, **kw)
+    def slow_step(lanes, hops, min_gain):  # one-hop calls only: a live step is a one-frame run
+        if hops.shape[1] == 1:
+            if not slow_until:
+                slow_until.append(time.perf_counter() + 0.6)
+            if time.perf_counter() < slow_until[0]:
+                time.sleep(0.040)
+        return real_run(lanes, hops, min_gain)
 
     def backlog(behind):
         before = [st.steps for st in behind]
@@ -615,7 +609,7 @@ def test_a_stream_behind_runs_its_backlog_in_multi_frame_calls(live_slow, enhanc
 
     sr, seconds, chunk = 16000, 3.0, 256
     x = speechlike(int(seconds * sr), sr, seed=23)[:, None]
-    monkeypatch.setattr(pool, "step", slow_step)
+    monkeypatch.setattr(pool, "run", slow_step)
     monkeypatch.setattr(worker.batcher, "run_backlog", backlog)
     y, texts = stream_in_real_time(srv, x, sr, chunk)
     monkeypatch.undo()
@@ -829,7 +823,7 @@ def test_capacity_ignores_isolated_spikes_and_needs_sustained_evidence():
 
 
 def test_worker_times_its_live_steps_and_probes_when_idle(enhancer_rt):
-    from server.scheduling.commands import Close
+    from server.scheduling.jobs import Close
 
     w = Worker(0, enhancer_rt, 8, Metrics(), settings=Settings.build())
     w.ledger.capacity = 3
@@ -844,8 +838,7 @@ def test_worker_times_its_live_steps_and_probes_when_idle(enhancer_rt):
             def call_soon_threadsafe(self, *a):
                 pass
 
-        job = SimpleNamespace(source="stream", id=1, channels=1, sample_rate=16000, metadata=False, sent=0,
-                              loop=Loop())
+        job = Job(1, Source.STREAM, 16000, 1, loop=Loop())
         w.submit(Open(job, None))
         w.submit(Push(job, speechlike(16000, 16000, seed=3), time.perf_counter(), 1))
         time.sleep(1.0)
@@ -857,18 +850,17 @@ def test_worker_times_its_live_steps_and_probes_when_idle(enhancer_rt):
         w.join(timeout=10)
 
 
-def _fake_step(slow: dict):
-    """LanePool.step replaced by a step-time model, `slow` x (1 ms + 1 ms per lane), then silence: the
-    machine's speed is the test's."""
+def _fake_run(slow: dict):
+    """LanePool.run replaced by a step-time model, `slow` x (1 ms + 1 ms per lane) per frame, then
+    silence: the machine's speed is the test's (a live step, `LanePool.step`, is a one-frame run)."""
     from enhancer.engine import StepResult
 
-    def step(self, lanes, hops, min_gain):
-        time.sleep(slow["x"] * (1 + len(lanes)) / 1000)
-        k = len(lanes)
-        return StepResult(out=np.zeros((k, hops.shape[-1]), np.float32), competition=None,
-                          activity=np.zeros(k, np.float32))
+    def run(self, lanes, hops, min_gain):
+        k, t = hops.shape[:2]
+        time.sleep(slow["x"] * (1 + k) * t / 1000)
+        return StepResult(out=np.zeros(hops.shape, np.float32), competition=None, activity=np.zeros((k, t), np.float32))
 
-    return step
+    return run
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -890,7 +882,7 @@ def test_server_capacity_follows_the_step_time(model_path, monkeypatch, caplog):
     from enhancer.engine import LanePool
 
     slow = {"x": 3.0}
-    monkeypatch.setattr(LanePool, "step", _fake_step(slow))
+    monkeypatch.setattr(LanePool, "run", _fake_run(slow))
     with caplog.at_level("INFO", logger="tim_enhancer.server"):
         srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(capacity=None, max_streams=6, capacity_raise_s=2.0,
                                                                 capacity_lower_s=1.0)))

@@ -322,30 +322,31 @@ async def collect(ws, out: list, texts: list) -> None:
 
 def _lanes_of(srv, job_id: int) -> set[int]:
     for w in srv.scheduler.workers:
-        st = w.streams.get(job_id)
-        if st is not None:
-            return {int(x) for x in st.cursor.lanes}
+        job = w.jobs.get(job_id)
+        if job is not None:
+            return {int(x) for x in job.cursor.lanes}
     return set()
 
 
 def test_inference_failure_mid_batch_closes_only_the_affected_stream(live_fault, enhancer_rt, monkeypatch):
-    """Every step that includes stream A's lane raises. A gets 1011 (internal); B and C, which
-    were batched with A, are retried without it and finish with exact output."""
+    """Every call of the lane pool that includes stream A's lane raises (a live step is a one-frame
+    `run`). A gets 1011 (internal); B and C, which were batched with A, are retried without it and
+    finish with exact output."""
     srv = live_fault
     sr = 16000
     signals = [speechlike(sr, sr, seed=40 + i)[:, None] for i in range(3)]
     poisoned: set[int] = set()
     failed_batches = []
     worker = srv.scheduler.workers[0]
-    original = worker.pool.step
+    original = worker.pool.run
 
-    def step(lanes, hops, gains):
+    def run(lanes, hops, gains):
         if poisoned & {int(x) for x in lanes}:
             failed_batches.append(len(lanes))
             raise RuntimeError("injected: onnxruntime failed on this batch")
         return original(lanes, hops, gains)
 
-    monkeypatch.setattr(worker.pool, "step", step)
+    monkeypatch.setattr(worker.pool, "run", run)
 
     async def client(i, x, opened: asyncio.Event, go: asyncio.Event):
         out, texts = [], []
@@ -398,7 +399,7 @@ def test_transient_step_failure_costs_no_stream(live_fault, enhancer_rt, monkeyp
     stream: every stream finishes normally."""
     srv = live_fault
     worker = srv.scheduler.workers[0]
-    original = worker.pool.step
+    original = worker.pool.run  # a live step is a one-frame run
     calls = {"n": 0}
 
     def flaky(lanes, hops, gains):
@@ -407,7 +408,7 @@ def test_transient_step_failure_costs_no_stream(live_fault, enhancer_rt, monkeyp
             raise RuntimeError("injected: transient failure")
         return original(lanes, hops, gains)
 
-    monkeypatch.setattr(worker.pool, "step", flaky)
+    monkeypatch.setattr(worker.pool, "run", flaky)
     x = speechlike(16000, 16000, seed=44)[:, None]
     y, texts, code = stream_through(srv.ws_url, x, 16000, "f32le", [2000] * 8)
     assert calls["n"] > 5 and code == 1000, (calls, texts[-2:])

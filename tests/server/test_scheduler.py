@@ -1,17 +1,17 @@
-"""The scheduler's parts on their own: typed commands applied by a worker (on the worker, the
-count of live lanes it holds), the event loop's ledger of reserved lanes, and the GIL switch
-interval restored when the last scheduler stops."""
+"""The scheduler's parts on their own: typed commands applied by a worker to the jobs it holds
+(the same `Job` objects the event loop holds; on the worker, the count of live lanes), the event
+loop's ledger of reserved lanes, and the GIL switch interval restored when the last scheduler stops."""
 from __future__ import annotations
 
 import asyncio
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from server.messages import Source
 from server.metrics import Metrics
-from server.scheduling.commands import Close, End, Open, Push
+from server.scheduling.jobs import Close, End, Job, Open, Push
 from server.scheduling.scheduler import SWITCH_INTERVAL_S, Scheduler, SwitchInterval
 from server.scheduling.worker import Worker
 from server.settings import Settings
@@ -28,11 +28,9 @@ class Loop:
         self.posted.extend(batch)
 
 
-def _job(i: int, source: str = "stream", channels: int = 1, posted: list | None = None):
-    """A job as the worker sees it; its deliveries go to `posted`."""
-    loop = Loop(posted if posted is not None else [])
-    return SimpleNamespace(id=i, source=source, channels=channels, sample_rate=16000, metadata=False, sent=0,
-                           loop=loop)
+def _job(i: int, source: str = "stream", channels: int = 1, posted: list | None = None) -> Job:
+    """A job with no event loop of its own: its deliveries go to `posted`."""
+    return Job(i, Source(source), 16000, channels, loop=Loop(posted if posted is not None else []))
 
 
 def test_worker_applies_typed_commands_and_counts_its_live_lanes(enhancer_rt):
@@ -40,27 +38,27 @@ def test_worker_applies_typed_commands_and_counts_its_live_lanes(enhancer_rt):
     live, stereo, rest = _job(1), _job(2, channels=2), _job(3, "rest", 2)
     for job in (live, stereo, rest):
         w.apply(Open(job, None))
-    assert set(w.streams) == {1, 2, 3} and w.live_lanes == 3  # files do not count
+    assert set(w.jobs) == {1, 2, 3} and w.live_lanes == 3  # files do not count
+    assert w.jobs[1] is live  # the worker holds the event loop's object
     assert w.pool.n_free == 8 - 5
     w.apply(Push(live, speechlike(1000), 12.5, 1))
-    st = w.streams[1]
-    assert st.cursor.ready_hops() == 1000 // 256 and st.acked == 1 and st.arrivals.first_arrival == 12.5
+    assert live.cursor.ready_hops() == 1000 // 256 and live.acked == 1 and live.arrivals.first_arrival == 12.5
     w.apply(End(live, 1))
-    assert st.flushing and st.acked == 1
+    assert live.flushing and live.acked == 1
     w.apply(Close(stereo))
-    assert set(w.streams) == {1, 3} and w.live_lanes == 1 and w.pool.n_free == 8 - 3
+    assert set(w.jobs) == {1, 3} and w.live_lanes == 1 and w.pool.n_free == 8 - 3
     w.apply(Close(stereo))  # closed already: nothing happens
     w.apply(Close(live))
     w.apply(Close(rest))
-    assert not w.streams and w.live_lanes == 0 and w.pool.n_free == 8
+    assert not w.jobs and w.live_lanes == 0 and w.pool.n_free == 8
 
 
-def test_a_stream_that_fails_leaves_the_live_count(enhancer_rt):
+def test_a_live_job_that_fails_leaves_the_live_count(enhancer_rt):
     w, posted = Worker(0, enhancer_rt, 4, Metrics()), []
     job = _job(1, posted=posted)
     w.apply(Open(job, None))
     w.apply(Push(job, np.full(300, np.nan, np.float32), 0.0, 1))  # invalid audio: the stream fails
-    assert not w.streams and w.live_lanes == 0 and w.pool.n_free == 4
+    assert not w.jobs and w.live_lanes == 0 and w.pool.n_free == 4
     (failed, delivery), = posted
     assert failed is job and delivery.final and delivery.error.kind == "invalid_audio"
 

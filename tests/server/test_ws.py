@@ -418,11 +418,11 @@ def test_server_keeps_serving(live, enhancer_rt):
 
 
 def test_inference_failure_closes_1011_and_server_recovers(live, enhancer_rt, monkeypatch):
-    def broken_step(*args, **kwargs):
+    def broken_run(*args, **kwargs):  # every call of the lane pool (a live step is a one-frame run)
         raise RuntimeError("injected inference failure")
 
     for w in live.scheduler.workers:
-        monkeypatch.setattr(w.pool, "step", broken_step)
+        monkeypatch.setattr(w.pool, "run", broken_run)
     expect_close(live.ws_url, [to_bytes(speechlike(4000, 16000), "pcm_s16le")], 1011, "internal", "inference failed")
     monkeypatch.undo()
     live.wait_idle()
