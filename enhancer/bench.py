@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .config import SAMPLE_RATE
-from .device_pool import engine_device, make_pool
+from .device_pool import engine_device, make_pool, uses_device_pool
 from .runtime import OFFLINE_FRAMES, Enhancer
 
 BATCHES = (1, 4, 16, 32, 64)
@@ -42,12 +42,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: int = 0, pace_s: float = 0.0) -> np.ndarray:
+def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: int = 0, pace_s: float = 0.0,
+               full_steps: bool = False, device_pool: bool = False) -> np.ndarray:
     """Milliseconds per `LanePool.step` of `batch` streams, after `warmup` steps. With `pace_s`, one
     step starts every `pace_s` seconds, as for live streams (caches cool down between steps). The
-    pool is the one the service uses for this engine (`make_pool`: under CUDA the caches stay on the
-    GPU), so a step's time includes what crosses the bus."""
-    pool = make_pool(enh.engine, batch)
+    pool is the one the service uses for this engine (`make_pool` with `full_steps` and
+    `device_pool`: under CUDA the caches stay on the GPU), so a step's time includes what crosses
+    the bus."""
+    pool = make_pool(enh.engine, batch, full_steps=full_steps, device_pool=device_pool)
     lanes = pool.alloc(batch)
     rng = np.random.default_rng(seed)
     hop = enh.config.stft.hop
@@ -103,9 +105,11 @@ def time_offline(enh: Enhancer, x: np.ndarray, frames: int) -> tuple[float, floa
     return (time.perf_counter() - t0) / seconds, (time.process_time() - c0) / seconds
 
 
-def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0, progress: bool = False) -> dict:
-    """The measurements of one model (see the module docstring). `progress`: a bar on stderr."""
-    return run_many([enh], steps=steps, batches=batches, seconds=seconds, progress=progress)[0]
+def run(enh: Enhancer, steps: int = 300, batches=BATCHES, seconds: float = 20.0, progress: bool = False,
+        **pool) -> dict:
+    """The measurements of one model (see the module docstring). `progress`: a bar on stderr;
+    `pool`: `make_pool`'s switches (full_steps, device_pool)."""
+    return run_many([enh], steps=steps, batches=batches, seconds=seconds, progress=progress, **pool)[0]
 
 
 def default_batches(enh: Enhancer) -> tuple[int, ...]:
@@ -114,12 +118,12 @@ def default_batches(enh: Enhancer) -> tuple[int, ...]:
 
 
 def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: float = 20.0,
-             progress: bool = False) -> list[dict]:
+             progress: bool = False, full_steps: bool = False, device_pool: bool = False) -> list[dict]:
     """The measurements of several models on this machine, interleaved: every stage (a batch size,
     the paced steps, each offline size) times each model in turn before the next stage, so that a
     change in the machine's load between stages weighs on all of them alike. The searches of the
     largest real-time batch run one model after the other. `progress`: a bar on stderr, one tick per
-    stage."""
+    stage. `full_steps`, `device_pool`: the step pools' switches (`make_pool`)."""
     from tqdm import tqdm
 
     cfg = enhs[0].config
@@ -128,11 +132,13 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
     bar = tqdm(total=n * (len(batches) + len(PACED_BATCHES) + 2), desc="bench", unit="stage", disable=not progress,
                file=sys.stderr)
     hop_ms = 1000.0 * cfg.stft.hop / cfg.stft.sample_rate
-    results = [_header(enh) for enh in enhs]
+    pool = {"full_steps": full_steps, "device_pool": device_pool}
+    results = [_header(enh) | {"stream_state": "device" if uses_device_pool(enh.engine, device_pool) else "host",
+                               "full_steps": full_steps} for enh in enhs]
     for b in batches:
         for enh, res in zip(enhs, results):
             bar.set_postfix_str(f"{b} stream(s) back to back")
-            ms = time_steps(enh, b, steps if b <= 16 else max(60, steps // 4))
+            ms = time_steps(enh, b, steps if b <= 16 else max(60, steps // 4), **pool)
             bar.update()
             res["step"].append({
                 "batch": b, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
@@ -142,7 +148,7 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
     for b in PACED_BATCHES:
         for enh, res in zip(enhs, results):
             bar.set_postfix_str(f"{b} stream(s) paced")
-            ms = time_steps(enh, b, max(60, steps // 2), pace_s=hop_ms / 1000.0)
+            ms = time_steps(enh, b, max(60, steps // 2), pace_s=hop_ms / 1000.0, **pool)
             bar.update()
             res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)),
                                  "p99_ms": float(np.percentile(ms, 99))})
@@ -151,7 +157,7 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
         bar.set_postfix_str("searching the largest real-time batch")
         ok = [s["batch"] for s in res["step"] if s["realtime"]]
         best_b, timed = largest_realtime_batch(
-            lambda b, e=enh: np.percentile(time_steps(e, b, search_steps), 99), hop_ms, start=max(ok) if ok else 1,
+            lambda b, e=enh: np.percentile(time_steps(e, b, search_steps, **pool), 99), hop_ms, start=max(ok) if ok else 1,
             limit=SEARCH_LIMIT[res["device"]])
         res["streams_per_core"] = best_b
         res["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
@@ -159,7 +165,7 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
     cores = usable_cores()
     for enh, res in zip(enhs, results):
         if res["streams_per_core"]:
-            ms = time_steps(enh, res["streams_per_core"], search_steps)
+            ms = time_steps(enh, res["streams_per_core"], search_steps, **pool)
             res["live_cost_ms_per_hop"] = float(np.percentile(ms, 50) / res["streams_per_core"])  # one stream's share
         best = min(res["step"], key=lambda s: s["per_stream_p50_ms"])
         res["streams_per_core_throughput"] = float(hop_ms / best["per_stream_p50_ms"])
@@ -267,14 +273,16 @@ def format_comparison(results: list[dict]) -> str:
 
 
 def main(enhs: Enhancer | list[Enhancer], as_json: bool = False, steps: int = 300, progress: bool = True,
-         batches=None) -> int:
-    """`enhancer bench`: one model, or several measured in the same run, interleaved (`run_many`)."""
+         batches=None, full_steps: bool = False, device_pool: bool = False) -> int:
+    """`enhancer bench`: one model, or several measured in the same run, interleaved (`run_many`),
+    stepped in the pools `make_pool(..., full_steps=full_steps, device_pool=device_pool)` gives."""
     enhs = enhs if isinstance(enhs, list) else [enhs]
     if progress:
         names = ", ".join(str(e.engine.path) for e in enhs)
         print(f"timing the step graph of {names} on this machine ({enhs[0].provider}, one intra-op thread)",
               file=sys.stderr, flush=True)
-    results = run_many(enhs, steps=steps, batches=batches, progress=progress)
+    results = run_many(enhs, steps=steps, batches=batches, progress=progress, full_steps=full_steps,
+                       device_pool=device_pool)
     if as_json:
         sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
     else:

@@ -3,6 +3,11 @@ packages add through the entry point group `enhancer.commands` (the service's `s
 
 An entry of that group is a function `add(subparsers)` that adds one sub-command whose parsed
 arguments carry `fn`, the function to run; the core never imports the packages that provide them.
+
+This command is where the package reads its environment (`environment_defaults`, `ENVIRONMENT`):
+$TIM_ENHANCER_MODEL, $TIM_ENHANCER_FULL_STEPS and $TIM_ENHANCER_DEVICE_POOL give the defaults of
+the flags `--model`, `--full-steps` and `--device-pool`, of every sub-command that has them (those of
+other packages too, when their default is None); the runtime itself takes them as arguments.
 """
 from __future__ import annotations
 
@@ -21,6 +26,22 @@ from .version import __version__
 
 TRAIN_MODULES = ("torch", "onnx", "onnx_ir", "scipy", "pesq", "pystoi", "matplotlib")  # the [train] extra
 THREADS = 1  # onnxruntime intra-op threads of the command line's session (the service's too)
+# the environment variables of the package: read here, at the command line, and nowhere in the runtime
+MODEL_ENV = "TIM_ENHANCER_MODEL"
+FULL_STEPS_ENV = "TIM_ENHANCER_FULL_STEPS"
+DEVICE_POOL_ENV = "TIM_ENHANCER_DEVICE_POOL"
+ENVIRONMENT = f"""environment (the defaults of these flags, in every sub-command that has them):
+  {MODEL_ENV}=PATH      --model: the model to load (else the shipped one)
+  {FULL_STEPS_ENV}=1    --full-steps: live steps of the whole pool through a static graph (a CUDA graph under CUDA)
+  {DEVICE_POOL_ENV}=1   --device-pool: stream state in the device pool on the CPU too (a rehearsal of the GPU's path)"""
+
+
+def environment_defaults(env=None) -> dict:
+    """The flag defaults the environment `env` (default: this process's) gives, by argument name:
+    model (a path or None), full_steps and device_pool (True when the variable is "1")."""
+    env = os.environ if env is None else env
+    return {"model": env.get(MODEL_ENV) or None, "full_steps": env.get(FULL_STEPS_ENV) == "1",
+            "device_pool": env.get(DEVICE_POOL_ENV) == "1"}
 
 
 def _enhancer(model: str | None, device: str = "auto", preset: str | None = None, int8: bool = False):
@@ -180,6 +201,8 @@ def _calibration_signals(paths: list[str]):
 
 
 def cmd_info(a) -> int:
+    if a.model is None and not a.preset:  # --preset describes the preset, not $TIM_ENHANCER_MODEL
+        a.model = a.env_model
     path = Path(a.model) if a.model else None
     exported_with = None  # the package version that wrote an .onnx model (its metadata), for people
     if path is not None and path.suffix in (".pt", ".ckpt", ".pth"):
@@ -205,7 +228,7 @@ def cmd_info(a) -> int:
             "provider": enh.provider, "available_providers": available_providers(), "onnxruntime": ort.__version__,
             "file": str(enh.engine.path), "weights": enh.engine.weights, "rings": enh.engine.ring_format,
             # where a stream's caches live: "device" (GPU memory, `enhancer.device_pool`) or "host" (numpy)
-            "stream_state": "device" if uses_device_pool(enh.engine) else "host"}
+            "stream_state": "device" if uses_device_pool(enh.engine, a.device_pool) else "host"}
         exported_with = enh.engine.metadata.get("version")
     info = {
         "preset": cfg.name, "parameters": params, "algorithmic_latency_ms": cfg.algorithmic_latency_ms,
@@ -260,8 +283,10 @@ def cmd_bench(a) -> int:
     if a.preset and a.model:
         print("error: --preset and --model name different models: bench one or the other", file=sys.stderr)
         return 2
-    enhs = [_enhancer(m, device, a.preset, a.int8) for m in (a.model or [None])]
-    return bench_main(enhs, as_json=a.json, steps=a.steps, batches=a.batches)
+    models = a.model or [None if a.preset else a.env_model]  # --preset: random weights, not $TIM_ENHANCER_MODEL
+    enhs = [_enhancer(m, device, a.preset, a.int8) for m in models]
+    return bench_main(enhs, as_json=a.json, steps=a.steps, batches=a.batches, full_steps=a.full_steps,
+                      device_pool=a.device_pool)
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -274,13 +299,14 @@ def _batches(text: str) -> tuple[int, ...]:
     return values
 
 
-def version_text() -> str:
-    """`enhancer --version`: the package, and the shipped (or $TIM_ENHANCER_MODEL) model when it loads."""
+def version_text(model: str | None = None) -> str:
+    """`enhancer --version`: the package, and the model at `model` ($TIM_ENHANCER_MODEL; None: the
+    shipped one) when it loads."""
     text = f"enhancer {__version__} (tim-enhancer)"
     try:
         from .runtime import Engine, default_model_path
 
-        engine = Engine(default_model_path(), ["CPUExecutionProvider"])
+        engine = Engine(Path(model) if model else default_model_path(), ["CPUExecutionProvider"])
     except Exception:  # no model (or no onnxruntime) here: the package version alone
         return text
     exported = engine.metadata.get("version")
@@ -293,17 +319,24 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(version_text())
+        print(version_text(environment_defaults()["model"]))
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env=None) -> argparse.ArgumentParser:
+    """The `enhancer` parser; the defaults of --model, --full-steps and --device-pool come from `env`
+    (default: this process's environment; `environment_defaults`)."""
     from .audio_io import OUTPUT_FORMATS
 
-    p = argparse.ArgumentParser(prog="enhancer", description="Real-time speech enhancement (TIM).")
-    p.add_argument("-V", "--version", action=_Version, help="print the version (and the shipped model's) and exit")
+    defaults = environment_defaults(env)
+    p = argparse.ArgumentParser(prog="enhancer", description="Real-time speech enhancement (TIM).",
+                                epilog=ENVIRONMENT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-V", "--version", action=_Version, help="print the version (and the model's: "
+                   f"${MODEL_ENV}, else the shipped one) and exit")
+    p.set_defaults(env_model=defaults["model"])  # info and bench without a model or --preset
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     devices = "auto: CUDA when this onnxruntime has it, else CPU; cuda: fail unless CUDA runs it"
+    model_help = f"exported .onnx model (default: ${MODEL_ENV}, else the shipped one)"
 
     d = sub.add_parser("denoise", help="enhance audio files or folders",
                        description="Enhance audio files or folders. The output keeps the input's sample rate, "
@@ -320,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--band", choices=["full", "speech"], default="full",
                    help="above 16 kHz: full (default) keeps the band above 8 kHz, gained by the model's speech "
                         "activity; speech gives the model's band only (nothing above 8 kHz)")
-    d.add_argument("--model", default=None, help="exported .onnx model (default: the shipped one)")
+    d.add_argument("--model", default=defaults["model"], help=model_help)
     d.add_argument("--device", choices=DEVICES, default="auto", help=f"where to run the model ({devices})")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary on stderr (errors still)")
     d.set_defaults(fn=cmd_denoise)
@@ -355,17 +388,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
 
     i = sub.add_parser("info", help="model, sample rate, latency, frame/hop, provider and version of a model")
-    i.add_argument("model", nargs="?", default=None, help=".onnx or checkpoint (default: the shipped model)")
+    i.add_argument("model", nargs="?", default=None, help=f".onnx or checkpoint (default: ${MODEL_ENV}, else the "
+                   "shipped model)")
     i.add_argument("--preset", default=None, help="describe a preset instead of a file (needs torch)")
     i.add_argument("--device", choices=DEVICES, default="auto",
                    help=f"load the model there and report the provider in use ({devices})")
+    _device_pool_flag(i, defaults)
     i.add_argument("--json", action="store_true", help="print every field as JSON (for scripts) instead of a summary")
     i.set_defaults(fn=cmd_info)
 
     b = sub.add_parser("bench", help="step latency, throughput, real-time factor, memory")
     b.add_argument("--model", action="append", default=None,
-                   help="exported .onnx model (default: the shipped one); given more than once, the models are "
-                        "measured in the same run, interleaved, and compared")
+                   help=f"exported .onnx model (default: ${MODEL_ENV}, else the shipped one); given more than once, "
+                        "the models are measured in the same run, interleaved, and compared")
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
     b.add_argument("--device", choices=DEVICES, default="auto", help="where to run the model (auto: the CPU here)")
     b.add_argument("--steps", type=int, default=300, help="timed steps per batch size")
@@ -374,24 +409,45 @@ def build_parser() -> argparse.ArgumentParser:
                         "1,16,64,256,1024 under CUDA)")
     b.add_argument("--int8", action="store_true", help="with --preset: export it with 8-bit weights (export --int8)")
     b.add_argument("--json", action="store_true", help="print the results as JSON (progress stays on stderr)")
+    b.add_argument("--full-steps", action=argparse.BooleanOptionalAction, default=defaults["full_steps"],
+                   help="step the device pool's live steps over the whole pool through a static graph, replayed as "
+                        f"a CUDA graph under CUDA (default: ${FULL_STEPS_ENV}=1)")
+    _device_pool_flag(b, defaults)
     b.set_defaults(fn=cmd_bench)
-    add_plugin_commands(sub)
+    add_plugin_commands(sub, defaults)
     return p
+
+
+def _device_pool_flag(parser, defaults: dict) -> None:
+    parser.add_argument("--device-pool", action=argparse.BooleanOptionalAction, default=defaults["device_pool"],
+                        help="keep stream state in the device pool (enhancer.device_pool) on the CPU provider too: "
+                             f"a rehearsal of the GPU's code path (default: ${DEVICE_POOL_ENV}=1; under CUDA "
+                             "always)")
 
 
 COMMANDS_GROUP = "enhancer.commands"
 
 
-def add_plugin_commands(sub) -> None:
+def add_plugin_commands(sub, defaults: dict | None = None) -> None:
     """The sub-commands of installed packages (entry point group `enhancer.commands`), by name. One
-    that cannot load is listed with the reason and fails with it when called."""
+    that cannot load is listed with the reason and fails with it when called. Their arguments named
+    in `defaults` (`environment_defaults`) whose default is None take its value."""
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         try:
             add = ep.load()
         except ImportError as e:
             _unavailable(sub, ep.name, f"{type(e).__name__}: {e}")
             continue
+        known = set(sub.choices)
         add(sub)
+        for name in set(sub.choices) - known:
+            _environment_defaults(sub.choices[name], defaults or {})
+
+
+def _environment_defaults(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """Give `parser`'s arguments named in `defaults` whose default is None the value there."""
+    found = {a.dest for a in parser._actions if a.dest in defaults and a.default is None}
+    parser.set_defaults(**{k: defaults[k] for k in found if defaults[k] is not None})
 
 
 def _unavailable(sub, name: str, reason: str) -> None:

@@ -21,7 +21,6 @@ only: int8 rings (`enhancer.build.ringquant`) exist to save CPU memory bandwidth
 from __future__ import annotations
 
 import logging
-import os
 from math import prod
 
 import numpy as np
@@ -33,8 +32,6 @@ from .step_io import NEXT, ring_specs, state_specs
 DEVICES_BY_PROVIDER = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
 HOST_OUTPUTS = ("out", "competition", "activity")  # outputs that come back to the host each call
 log = logging.getLogger("tim_enhancer")
-FORCE_ENV = "TIM_ENHANCER_DEVICE_POOL"
-FULL_STEPS_ENV = "TIM_ENHANCER_FULL_STEPS"
 ZERO_CHUNK_BYTES = 256 << 20  # a reset zeroes at most this many bytes of rings per graph call
 
 
@@ -43,22 +40,23 @@ def engine_device(engine: Engine) -> str:
     return DEVICES_BY_PROVIDER.get(engine.provider, "cpu")
 
 
-def make_pool(engine: Engine, capacity: int, full_steps: bool | None = None) -> LanePool | DeviceLanePool:
+def make_pool(engine: Engine, capacity: int, full_steps: bool | None = False,
+              device_pool: bool = False) -> LanePool | DeviceLanePool:
     """The lane pool for `engine`: on a CUDA session with float rings a `DeviceLanePool` (the caches
-    stay on the GPU), else a `LanePool` (numpy caches). $TIM_ENHANCER_DEVICE_POOL=1 takes the device
-    pool on the CPU provider too (a rehearsal of the GPU's code path; slower than `LanePool` there).
-    `full_steps` (default: $TIM_ENHANCER_FULL_STEPS=1): live steps of the whole pool through a
-    static graph, captured as a CUDA graph under CUDA (`DeviceLanePool`)."""
-    if uses_device_pool(engine):
-        if full_steps is None:
-            full_steps = os.environ.get(FULL_STEPS_ENV) == "1"
-        return DeviceLanePool(engine, capacity, full_steps=full_steps)
+    stay on the GPU), else a `LanePool` (numpy caches). `device_pool`: the device pool on the CPU
+    provider too (a rehearsal of the GPU's code path; slower than `LanePool` there). `full_steps`:
+    live steps of the whole pool through a static graph, captured as a CUDA graph under CUDA
+    (`DeviceLanePool`; None is False). Both are switches of the caller's (`enhancer bench
+    --full-steps --device-pool`, the service's settings); nothing here reads the environment."""
+    if uses_device_pool(engine, device_pool):
+        return DeviceLanePool(engine, capacity, full_steps=bool(full_steps))
     return LanePool(engine, capacity)
 
 
-def uses_device_pool(engine: Engine) -> bool:
-    """Whether `make_pool` keeps this engine's streams in a `DeviceLanePool` (on the device)."""
-    wanted = engine_device(engine) == "cuda" or os.environ.get(FORCE_ENV) == "1"
+def uses_device_pool(engine: Engine, device_pool: bool = False) -> bool:
+    """Whether `make_pool(engine, ..., device_pool=device_pool)` keeps this engine's streams in a
+    `DeviceLanePool` (on the device)."""
+    wanted = engine_device(engine) == "cuda" or device_pool
     return wanted and not engine.int8_rings
 
 

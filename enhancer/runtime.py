@@ -18,7 +18,6 @@ its speech activity (`enhancer.fullband`); `band="speech"` returns the model's b
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,6 @@ __all__ = [
     "DEFAULT_BAND",
     "DEFAULT_MODEL",
     "MODELS_DIR",
-    "MODEL_ENV",
     "OFFLINE_FRAMES",
     "PACKAGE_MODELS_DIR",
     "Engine",
@@ -51,7 +49,6 @@ __all__ = [
 PACKAGE_MODELS_DIR = Path(__file__).resolve().parent / "models"  # an installed wheel: enhancer/models/
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # a source checkout: models/ beside enhancer/
 DEFAULT_MODEL = "tim.onnx"
-MODEL_ENV = "TIM_ENHANCER_MODEL"
 # Frames (16 ms hops) per call when audio is already there: `enhancer bench` measures the offline
 # real-time factor at several sizes (`offline_frames`); from about 32 on the weights are read
 # rarely enough that the call is bound by arithmetic, and the in-call attention grows with T.
@@ -59,13 +56,11 @@ OFFLINE_FRAMES = 128
 
 
 def default_model_path() -> Path:
-    """$TIM_ENHANCER_MODEL, else the shipped model: enhancer/models/tim.onnx in an installed
-    package (the wheel carries it there), else models/tim.onnx of the source checkout the package
-    runs from (editable install, or the repository on the path). When none exists, the last
-    candidate looked at (for the error message)."""
-    env = os.environ.get(MODEL_ENV)
-    if env:
-        return Path(env)
+    """The shipped model: enhancer/models/tim.onnx in an installed package (the wheel carries it
+    there), else models/tim.onnx of the source checkout the package runs from (editable install, or
+    the repository on the path). When none exists, the last candidate looked at (for the error
+    message). The environment plays no part: a command line that honours $TIM_ENHANCER_MODEL
+    passes its path instead."""
     candidates = [PACKAGE_MODELS_DIR / DEFAULT_MODEL, MODELS_DIR / DEFAULT_MODEL]
     return next((p for p in candidates if p.is_file()), candidates[-1])
 
@@ -179,13 +174,13 @@ class Enhancer:
 
     @classmethod
     def from_pretrained(cls, path=None, providers=None, threads: int = 1) -> Enhancer:
-        """Load an exported model (default: the shipped one). `providers`: onnxruntime providers
-        in order of preference (default: CUDA when available, then CPU); `.provider` tells which
-        one is really used."""
+        """Load the exported model at `path` (None: the shipped one, `default_model_path`).
+        `providers`: onnxruntime providers in order of preference (default: CUDA when available,
+        then CPU); `.provider` tells which one is really used."""
         p = Path(path) if path is not None else default_model_path()
         if path is None and not p.is_file():
-            where = p if os.environ.get(MODEL_ENV) else f"{PACKAGE_MODELS_DIR / DEFAULT_MODEL} or {p}"
-            raise CheckpointError(f"no shipped model at {where}; pass a path or set ${MODEL_ENV}")
+            raise CheckpointError(f"no shipped model at {PACKAGE_MODELS_DIR / DEFAULT_MODEL} or {p}; pass a path "
+                                  "(the command line: --model, or $TIM_ENHANCER_MODEL)")
         return cls(Engine(p, providers, threads))
 
     @property

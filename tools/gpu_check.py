@@ -78,8 +78,9 @@ def environment() -> dict:
     return env
 
 
-def info(model: Path, device: str) -> dict:
-    rc, out, err = _cmd([sys.executable, "-m", "enhancer", "info", str(model), "--device", device, "--json"], timeout=120)
+def info(model: Path, device: str, device_pool: bool = False) -> dict:
+    rc, out, err = _cmd([sys.executable, "-m", "enhancer", "info", str(model), "--device", device, "--json",
+                         "--device-pool" if device_pool else "--no-device-pool"], timeout=120)
     if rc != 0:
         return {"rc": rc, "error": err.strip()[-2000:]}
     d = json.loads(out)
@@ -96,8 +97,9 @@ def _compare(got: np.ndarray, want: np.ndarray) -> dict:
             "finite": bool(np.isfinite(got).all())}
 
 
-def parity(model: Path, device: str, streams: int = 8) -> dict:
-    """A file, then `streams` concurrent streams in one pool, on `device` against the CPU."""
+def parity(model: Path, device: str, streams: int = 8, full_steps: bool = False, device_pool: bool = False) -> dict:
+    """A file, then `streams` concurrent streams in one pool (`make_pool` with `full_steps` and
+    `device_pool`), on `device` against the CPU."""
     import soundfile as sf
 
     from enhancer.build.export import MAX_REL_DIFF
@@ -121,7 +123,7 @@ def parity(model: Path, device: str, streams: int = 8) -> dict:
     # streams: different signals (shifted, scaled, reversed), fed in interleaved chunks of different sizes
     rng = np.random.default_rng(0)
     signals = [np.roll(x, 1601 * i) * (0.5 + 0.1 * i) * (1 if i % 2 else -1) for i in range(streams)]
-    pool = make_pool(dev.engine, streams)
+    pool = make_pool(dev.engine, streams, full_steps=full_steps, device_pool=device_pool)
     res["pool"] = type(pool).__name__ + (" (full-pool live steps)" if getattr(pool, "full_step", None) else "")
     if getattr(pool, "full_step_error", None):
         res["full_step_error"] = pool.full_step_error
@@ -148,9 +150,10 @@ def parity(model: Path, device: str, streams: int = 8) -> dict:
     return res
 
 
-def bench(model: Path, device: str, batches: str, steps: int) -> dict:
+def bench(model: Path, device: str, batches: str, steps: int, full_steps: bool = False, device_pool: bool = False) -> dict:
+    switches = ["--full-steps" if full_steps else "--no-full-steps", "--device-pool" if device_pool else "--no-device-pool"]
     rc, out, err = _cmd([sys.executable, "-m", "enhancer", "bench", "--model", str(model), "--device", device,
-                         "--batches", batches, "--steps", str(steps), "--json"], timeout=300)
+                         "--batches", batches, "--steps", str(steps), "--json", *switches], timeout=300)
     if rc != 0:
         return {"rc": rc, "error": err.strip()[-3000:]}
     return json.loads(out)
@@ -278,6 +281,8 @@ def main(argv=None) -> int:
                    "the device and N service processes stepping through it, S live streams each (e.g. 4x32,6x48)")
     p.add_argument("--full-steps", action="store_true", help="also profile and bench full-pool live steps (a CUDA "
                    "graph under CUDA); the step-server load tests after it use them too")
+    p.add_argument("--device-pool", action="store_true", help="keep stream state in the device pool on the CPU too "
+                   "(parity and bench: a rehearsal of the GPU's code path with --device cpu)")
     p.add_argument("--quick", action="store_true", help="small sizes (a rehearsal on the CPU)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated (info, parity, bench, load, profile; "
                    "with --full-steps also parity_full, bench_full)")
@@ -315,35 +320,35 @@ def main(argv=None) -> int:
     print(json.dumps(report["environment"], default=str), flush=True)
     for m in models:
         if "info" not in skip:
-            stage("info", m.name, info, m, a.device)
+            stage("info", m.name, info, m, a.device, a.device_pool)
         if "parity" not in skip:
-            stage("parity", m.name, parity, m, a.device)
+            stage("parity", m.name, parity, m, a.device, 8, False, a.device_pool)
     if "bench" not in skip:
-        stage("bench", models[0].name, bench, models[0], a.device, a.batches, a.steps)
+        stage("bench", models[0].name, bench, models[0], a.device, a.batches, a.steps, False, a.device_pool)
     if "load" not in skip:
         levels = [int(x) for x in a.load_streams.split(",")]
         stage("load_test", None, load_test, models[0], a.device, levels, a.clients, a.seconds)
     if "profile" not in skip:
         stage("profile", None, profile_step, models[0], a.device, (1, 4) if a.quick else (1, 64, 1024), 30 if a.quick else 100)
     if a.full_steps:  # the same with full-pool live steps (a CUDA graph under CUDA): parity, profile, bench
-        os.environ["TIM_ENHANCER_FULL_STEPS"] = "1"  # every pool from here on: parity's, the bench's, the step server's
         if "parity_full" not in skip:
-            stage("parity_full", models[0].name, parity, models[0], a.device)
+            stage("parity_full", models[0].name, parity, models[0], a.device, 8, True, a.device_pool)
         if "profile" not in skip:
             stage("profile_full", None, profile_step, models[0], a.device, (4, 8) if a.quick else (64, 256, 1024),
                   30 if a.quick else 100, True)
         if "bench_full" not in skip:
-            stage("bench_full", models[0].name, bench, models[0], a.device, a.batches, a.steps)
+            stage("bench_full", models[0].name, bench, models[0], a.device, a.batches, a.steps, True, a.device_pool)
     for spec in [x for x in a.step_server.split(",") if x]:
         fronts, per = (int(v) for v in spec.lower().split("x"))
         stage("load_step_server", spec, load_test_step_server, models[0], a.device, fronts, per, a.seconds,
-              a.batch_wait_ms)
+              a.batch_wait_ms, 1024, a.full_steps)
     for n in [int(x) for x in a.servers.split(",") if x]:
         stage("load_servers", f"{n}x", load_test_servers, models[0], a.device, n, a.server_max_streams, a.offer,
-              a.seconds, a.batch_wait_ms)
+              a.seconds, a.batch_wait_ms, a.full_steps)
     if "bench" not in skip:
         for m in models[1:]:  # the others at the small batches (a host lane pool at large ones moves the rings)
-            stage("bench", m.name, bench, m, a.device, ",".join(a.batches.split(",")[:3]), max(30, a.steps // 2))
+            stage("bench", m.name, bench, m, a.device, ",".join(a.batches.split(",")[:3]), max(30, a.steps // 2),
+                  False, a.device_pool)
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     save()
     print(summary(report), flush=True)

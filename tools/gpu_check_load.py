@@ -50,16 +50,17 @@ def load_test(model: Path, device: str, levels: list[int], clients: int, seconds
 
 
 def load_test_servers(model: Path, device: str, servers: int, max_streams: int, offer: float, seconds: float,
-                      batch_wait_ms: float) -> dict:
+                      batch_wait_ms: float, full_steps: bool = False) -> dict:
     """`servers` server processes sharing the device, each measuring its own capacity at start-up
     (at most `max_streams`), each offered `offer` x that capacity by a load generator process of
     its own: what one GPU serves when its host side (event loop, step set-up) is spread over
-    processes, and whether the admitted streams are on time."""
+    processes, and whether the admitted streams are on time. `full_steps`: the servers' pools step
+    the whole pool per live step, where the service's settings have that switch."""
     from .launch import ServerProcess
 
     t0 = time.perf_counter()
-    procs = [ServerProcess(model, device=device, workers=1, max_streams=max_streams, max_batch_wait_ms=batch_wait_ms)
-             for _ in range(servers)]
+    procs = [ServerProcess(model, device=device, workers=1, max_streams=max_streams, max_batch_wait_ms=batch_wait_ms,
+                           **_pool_settings(full_steps)) for _ in range(servers)]
     try:
         for srv in procs:
             srv.wait_ready(timeout=240)
@@ -109,11 +110,23 @@ def _aggregate(parts: list[dict]) -> dict:
     }
 
 
+def _pool_settings(full_steps: bool) -> dict:
+    """The service settings that switch its pools to full-pool live steps: {} unless `full_steps`
+    and `Settings` has the field."""
+    import dataclasses
+
+    from server.settings import Settings
+
+    has = "full_steps" in {f.name for f in dataclasses.fields(Settings)}
+    return {"full_steps": True} if full_steps and has else {}
+
+
 def load_test_step_server(model: Path, device: str, fronts: int, per_front: int, seconds: float, batch_wait_ms: float,
-                          lanes: int = 1024) -> dict:
-    """One step server on `device` (the model, every stream's state) and `fronts` service processes
-    stepping through it (`enhancer serve --step-server`), each admitting `per_front` live streams
-    (a fixed capacity) and driven by a load generator process of its own."""
+                          lanes: int = 1024, full_steps: bool = False) -> dict:
+    """One step server on `device` (the model, every stream's state; with `full_steps`, full-pool
+    live steps) and `fronts` service processes stepping through it (`enhancer serve --step-server`),
+    each admitting `per_front` live streams (a fixed capacity) and driven by a load generator
+    process of its own."""
     import tempfile
 
     from .launch import ServerProcess
@@ -123,7 +136,8 @@ def load_test_step_server(model: Path, device: str, fronts: int, per_front: int,
     t0 = time.perf_counter()
     with open(log_path, "wb") as log_file:
         step = subprocess.Popen([sys.executable, "-m", "server.stepserver", "--address", address, "--device", device,
-                                 "--lanes", str(lanes), "--model", str(model)], cwd=REPO_ROOT,
+                                 "--lanes", str(lanes), "--model", str(model),
+                                 *(["--full-steps"] if full_steps else [])], cwd=REPO_ROOT,
                                 stdout=subprocess.DEVNULL, stderr=log_file)
     procs: list = []
     res: dict = {"fronts": fronts, "per_front": per_front, "seconds": seconds, "max_batch_wait_ms": batch_wait_ms,

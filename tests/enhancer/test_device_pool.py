@@ -69,10 +69,19 @@ def test_device_pool_reset_gives_a_fresh_stream(enhancer_rt, rng):
 
 def test_make_pool_keeps_the_cpu_on_lane_pool(enhancer_rt, monkeypatch):
     assert type(make_pool(enhancer_rt.engine, 2)) is LanePool
+    pool = make_pool(enhancer_rt.engine, 2, device_pool=True)
+    assert type(pool) is DeviceLanePool and pool.full_step is None
+    pool = make_pool(enhancer_rt.engine, 2, full_steps=True, device_pool=True)
+    assert type(pool) is DeviceLanePool and pool.full_step is not None
+
+
+def test_make_pool_reads_no_environment(enhancer_rt, monkeypatch):
+    """The switches are arguments: the variables the command line reads change nothing here."""
     monkeypatch.setenv("TIM_ENHANCER_DEVICE_POOL", "1")
     monkeypatch.setenv("TIM_ENHANCER_FULL_STEPS", "1")
-    pool = make_pool(enhancer_rt.engine, 2)
-    assert type(pool) is DeviceLanePool and pool.full_step is not None
+    assert type(make_pool(enhancer_rt.engine, 2)) is LanePool
+    pool = make_pool(enhancer_rt.engine, 2, device_pool=True)
+    assert type(pool) is DeviceLanePool and pool.full_step is None
 
 
 def test_device_pool_refuses_int8_rings(enhancer_rt, monkeypatch):

@@ -13,12 +13,13 @@ import pytest
 import tomllib
 
 from enhancer import runtime
+from enhancer.cli import MODEL_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_default_model_lookup_order(tmp_path, monkeypatch):
-    monkeypatch.delenv(runtime.MODEL_ENV, raising=False)
+    monkeypatch.setenv(MODEL_ENV, str(tmp_path / "mine.onnx"))  # the command line's, not the runtime's
     installed, checkout = tmp_path / "site" / "enhancer" / "models", tmp_path / "repo" / "models"
     monkeypatch.setattr(runtime, "PACKAGE_MODELS_DIR", installed)
     monkeypatch.setattr(runtime, "MODELS_DIR", checkout)
@@ -31,8 +32,29 @@ def test_default_model_lookup_order(tmp_path, monkeypatch):
     installed.mkdir(parents=True)
     (installed / "tim.onnx").write_bytes(b"x")
     assert runtime.default_model_path() == installed / "tim.onnx"  # an installed wheel
-    monkeypatch.setenv(runtime.MODEL_ENV, str(tmp_path / "mine.onnx"))
-    assert runtime.default_model_path() == tmp_path / "mine.onnx"
+
+
+def test_the_command_line_reads_the_model_and_pool_switches_from_the_environment(tmp_path):
+    """$TIM_ENHANCER_MODEL, $TIM_ENHANCER_FULL_STEPS and $TIM_ENHANCER_DEVICE_POOL are the defaults of
+    --model, --full-steps and --device-pool: of the core's sub-commands and of the service's."""
+    from enhancer.cli import build_parser, environment_defaults
+
+    env = {MODEL_ENV: str(tmp_path / "mine.onnx"), "TIM_ENHANCER_FULL_STEPS": "1", "TIM_ENHANCER_DEVICE_POOL": "1"}
+    assert environment_defaults(env) == {"model": env[MODEL_ENV], "full_steps": True, "device_pool": True}
+    assert environment_defaults({}) == {"model": None, "full_steps": False, "device_pool": False}
+    p = build_parser(env)
+    assert p.parse_args(["denoise", "x.wav", "-o", "y.wav"]).model == env[MODEL_ENV]
+    b = p.parse_args(["bench"])
+    assert b.env_model == env[MODEL_ENV] and b.full_steps and b.device_pool
+    assert not p.parse_args(["bench", "--no-full-steps"]).full_steps
+    assert p.parse_args(["info"]).device_pool
+    assert p.parse_args(["serve"]).model == env[MODEL_ENV]  # the service's sub-command (entry point)
+    assert p.parse_args(["serve", "--model", "other.onnx"]).model == "other.onnx"
+    step = p.parse_args(["step-server", "--address", str(tmp_path / "s.sock")])
+    assert step.model == env[MODEL_ENV] and step.full_steps is True
+    plain = build_parser({})
+    assert plain.parse_args(["serve"]).model is None and not plain.parse_args(["bench"]).full_steps
+    assert "TIM_ENHANCER_MODEL" in plain.format_help() and "TIM_ENHANCER_FULL_STEPS" in plain.format_help()
 
 
 def test_pyproject_ships_the_model_as_package_data():
@@ -69,7 +91,7 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
     code = ("import numpy as np, enhancer; from enhancer.runtime import Enhancer; e = Enhancer.from_pretrained(); "
             "y = e.enhance(np.random.default_rng(0).standard_normal(16000).astype('float32') * 0.1, 16000); "
             "print(enhancer.__file__); print(e.engine.path); print(y.shape, bool(np.isfinite(y).all()))")
-    env = {k: v for k, v in os.environ.items() if k not in (runtime.MODEL_ENV, "PYTHONPATH")} | {"PYTHONPATH": str(site)}
+    env = {k: v for k, v in os.environ.items() if k not in (MODEL_ENV, "PYTHONPATH")} | {"PYTHONPATH": str(site)}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path / "dist", env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     module, model, result = run.stdout.strip().splitlines()
@@ -147,7 +169,7 @@ def test_enhancer_serve_answers_healthz_without_torch(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in (runtime.MODEL_ENV,)}
+    env = {k: v for k, v in os.environ.items() if k not in (MODEL_ENV,)}
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", _NO_TORCH, "serve", "--host", "127.0.0.1", "--port", str(port),

@@ -52,10 +52,11 @@ def test_gpu_check_rehearses_on_the_cpu(model_path, tmp_path, monkeypatch):
     stages (lane ranges, and full-pool live steps) pass and land in the JSON with the environment."""
     from tools import gpu_check
 
-    monkeypatch.setenv("TIM_ENHANCER_DEVICE_POOL", "1")
-    monkeypatch.setenv("TIM_ENHANCER_FULL_STEPS", "0")  # gpu_check sets it to 1: restored after the test
+    for name in ("TIM_ENHANCER_DEVICE_POOL", "TIM_ENHANCER_FULL_STEPS"):
+        monkeypatch.delenv(name, raising=False)  # the switches are flags, passed down: none from the environment
     assert gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--quick", "--model", str(model_path),
-                           "--skip", "info,bench,load,profile,bench_full", "--full-steps"]) == 0
+                           "--skip", "info,bench,load,profile,bench_full", "--full-steps", "--device-pool"]) == 0
+    assert "TIM_ENHANCER_FULL_STEPS" not in os.environ  # gpu_check no longer sets it for later pools
     r = json.loads((tmp_path / "gpu-check.json").read_text())
     assert r["environment"]["providers"] and r["device"] == "cpu"
     for stage in ("parity", "parity_full"):
