@@ -6,6 +6,8 @@ The core package does not know the service: it finds this command through the en
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from enhancer.devices import DEVICES
 
@@ -41,6 +43,9 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--step-server", default=None, metavar="ADDRESS", help="run the model in the step server at this "
                    "Unix socket (`enhancer step-server`), shared with other serve processes: one GPU for several "
                    "front-ends (server/README.md, Serving on a GPU)")
+    s.add_argument("--step-key-file", default=None, metavar="PATH", help="file holding the key shared with the "
+                   "step server (its trailing newline stripped; default: $TIM_ENHANCER_STEP_KEY); required with "
+                   "--step-server")
     s.set_defaults(fn=cmd_serve)
     return s
 
@@ -49,11 +54,12 @@ def cmd_serve(a) -> int:
     from enhancer.errors import EnhancerError
     from server import run
 
+    step_key = read_key(a.step_key_file, "--step-key-file") if a.step_key_file else None
     try:
         run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
             api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin, loop_ms=a.loop_ms,
             drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port, step_server=a.step_server,
-            max_batch_wait_ms=a.max_batch_wait_ms)
+            max_batch_wait_ms=a.max_batch_wait_ms, step_key=step_key)
     except ModuleNotFoundError as e:  # installed without the [serve] extra
         raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "
                             f"'tim-enhancer[cpu,serve]' ({e})") from None
@@ -74,4 +80,21 @@ def add_step_server(sub) -> argparse.ArgumentParser:
 def cmd_step_server(a) -> int:
     from server.stepserver import run
 
-    return run(a)
+    return run(a, read_key(a.key_file, "--key-file"))
+
+
+def read_key(path: str | None, flag: str) -> str | None:
+    """The key a step server shares with its front-ends: the text of the file at `path` (given
+    with `flag`) without its trailing newline, else $TIM_ENHANCER_STEP_KEY, else None."""
+    from enhancer.errors import EnhancerError
+    from server.settings import STEP_KEY_ENV
+
+    if not path:
+        return os.environ.get(STEP_KEY_ENV) or None
+    try:
+        key = Path(path).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise EnhancerError(f"{flag} {path}: cannot read the key ({e})") from None
+    if not key:
+        raise EnhancerError(f"{flag} {path}: the file holds no key")
+    return key

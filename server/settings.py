@@ -143,6 +143,9 @@ class Settings:
             raise ValueError(f"agent_port must be a TCP port (1-65535) or None, got {self.agent_port!r}")
         if self.step_server is not None and (not isinstance(self.step_server, str) or not self.step_server.strip()):
             raise ValueError(f"step_server must be the path of a step server's Unix socket, got {self.step_server!r}")
+        if self.step_server is not None and not self.step_key:
+            raise ValueError(f"step_server needs step_key, the key shared with the step server: --step-key-file PATH "
+                             f"or ${STEP_KEY_ENV}")
         if not isinstance(self.capacity_follow, bool):
             raise ValueError(f"capacity_follow must be true or false, got {self.capacity_follow!r}")
         if self.api_key is not None and not str(self.api_key).strip():

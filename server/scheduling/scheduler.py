@@ -97,7 +97,8 @@ class Scheduler:
             from server.stepserver import RemoteLanePool, StepServerError
 
             try:
-                pools = [RemoteLanePool(s.step_server, s.lanes_per_worker, enh.engine) for _ in range(s.workers)]
+                pools = [RemoteLanePool(s.step_server, s.lanes_per_worker, enh.engine, s.step_key)
+                         for _ in range(s.workers)]
             except StepServerError as e:
                 raise RuntimeError(str(e)) from None
             log.info("stepping through the step server at %s (%s, %s)", s.step_server, pools[0].info["provider"],
