@@ -23,6 +23,7 @@ import numpy as np
 
 from .config import SAMPLE_RATE
 from .device_pool import engine_device, make_pool, uses_device_pool
+from .pools import LanePoolProtocol
 from .runtime import OFFLINE_FRAMES, Enhancer
 
 BATCHES = (1, 4, 16, 32, 64)
@@ -49,7 +50,7 @@ def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: in
     pool is the one the service uses for this engine (`make_pool` with `full_steps` and
     `device_pool`: under CUDA the caches stay on the GPU), so a step's time includes what crosses
     the bus."""
-    pool = make_pool(enh.engine, batch, full_steps=full_steps, device_pool=device_pool)
+    pool: LanePoolProtocol = make_pool(enh.engine, batch, full_steps=full_steps, device_pool=device_pool)
     lanes = pool.alloc(batch)
     rng = np.random.default_rng(seed)
     hop = enh.config.stft.hop

@@ -17,9 +17,10 @@ import numpy as np
 
 from .config import SAMPLE_RATE, ModelConfig
 from .device_pool import make_pool
-from .engine import Engine, LanePool, min_gain_for
+from .engine import Engine, min_gain_for
 from .errors import AudioError
 from .fullband import DEFAULT_BAND, HighBand, check_band, uses_high_band
+from .pools import LanePoolProtocol
 from .signal import MAX_CHANNELS, StreamResampler, check_audio, check_rate
 
 
@@ -72,7 +73,7 @@ class StreamCursor:
     """One stream's buffers and lanes, stepped by its owner (see the module docstring)."""
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1,
-                 atten_lim_db: float | None = None, metadata: bool = False, pool: LanePool | None = None,
+                 atten_lim_db: float | None = None, metadata: bool = False, pool: LanePoolProtocol | None = None,
                  band: str = DEFAULT_BAND):
         self.config = engine.config
         self.sample_rate = check_rate(sample_rate)

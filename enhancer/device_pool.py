@@ -13,7 +13,7 @@ With `full_steps`, a live step (one frame) runs over the whole pool through a se
 graph with static shapes, every buffer bound once, replayed as a CUDA graph under CUDA (`_FullStep`):
 the step is bound by kernel launches, not by the batch, and a replay is one launch.
 
-Same interface, same results as `LanePool` (tests/enhancer/test_device_pool.py steps both through
+Same interface (`enhancer.pools.LanePoolProtocol`), same results as `LanePool` (tests/enhancer/test_device_pool.py steps both through
 the same calls on the CPU; `tools/gpu_check.py` does it under CUDA). Float key/value rings
 only: int8 rings (`enhancer.build.ringquant`) exist to save CPU memory bandwidth and stay on `LanePool`.
 `make_pool` picks the pool for an engine.
@@ -27,6 +27,7 @@ import numpy as np
 
 from .engine import Engine, LanePool, Lanes, StepResult, lane_range
 from .errors import CheckpointError
+from .pools import LanePoolProtocol
 from .step_io import NEXT, ring_specs, state_specs
 
 DEVICES_BY_PROVIDER = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
@@ -41,7 +42,7 @@ def engine_device(engine: Engine) -> str:
 
 
 def make_pool(engine: Engine, capacity: int, full_steps: bool | None = False,
-              device_pool: bool = False) -> LanePool | DeviceLanePool:
+              device_pool: bool = False) -> LanePoolProtocol:
     """The lane pool for `engine`: on a CUDA session with float rings a `DeviceLanePool` (the caches
     stay on the GPU), else a `LanePool` (numpy caches). `device_pool`: the device pool on the CPU
     provider too (a rehearsal of the GPU's code path; slower than `LanePool` there). `full_steps`:

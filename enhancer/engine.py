@@ -177,7 +177,12 @@ class Engine:
 
 
 class Stepping:
-    """`step`, the live step, as a one-frame `run` (every pool's `run` takes (k, T, hop))."""
+    """`step`, the live step, as a one-frame `run` (every pool's `run` takes (k, T, hop)), and the
+    defaults of `enhancer.pools.LanePoolProtocol`'s optional members: no full-pool live step, and
+    always connected (a local pool)."""
+
+    full_step = None  # DeviceLanePool's full-pool live step, when it has one
+    connected = True  # RemoteLanePool: whether its step server answers
 
     def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
         raise NotImplementedError

@@ -27,6 +27,7 @@ from .cursor import StepLog, StreamCursor
 from .engine import Engine, LanePool, StepResult, min_gain_for
 from .errors import CheckpointError
 from .fullband import BANDS, DEFAULT_BAND
+from .pools import LanePoolProtocol
 from .signal import check_audio, check_rate
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Engine",
     "Enhancer",
     "LanePool",
+    "LanePoolProtocol",
     "StepResult",
     "StreamCursor",
     "StreamingEnhancer",
@@ -86,7 +88,7 @@ class StreamingEnhancer:
     """
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
-                 metadata: bool = False, pool: LanePool | None = None, band: str = DEFAULT_BAND):
+                 metadata: bool = False, pool: LanePoolProtocol | None = None, band: str = DEFAULT_BAND):
         self._cursor = StreamCursor(engine, sample_rate, channels, atten_lim_db, metadata, pool, band)
         self.frames_per_call = OFFLINE_FRAMES
 
@@ -112,7 +114,7 @@ class StreamingEnhancer:
         return self._cursor.band
 
     @property
-    def pool(self) -> LanePool:
+    def pool(self) -> LanePoolProtocol:
         return self._cursor.pool
 
     @property
@@ -200,7 +202,7 @@ class Enhancer:
         return self.config.algorithmic_latency_ms
 
     def stream(self, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
-               metadata: bool = False, pool: LanePool | None = None, band: str = DEFAULT_BAND) -> StreamingEnhancer:
+               metadata: bool = False, pool: LanePoolProtocol | None = None, band: str = DEFAULT_BAND) -> StreamingEnhancer:
         """A stream (see `StreamingEnhancer`); `band`: "full" (default) or "speech"."""
         return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool, band)
 

@@ -124,7 +124,7 @@ def parity(model: Path, device: str, streams: int = 8, full_steps: bool = False,
     rng = np.random.default_rng(0)
     signals = [np.roll(x, 1601 * i) * (0.5 + 0.1 * i) * (1 if i % 2 else -1) for i in range(streams)]
     pool = make_pool(dev.engine, streams, full_steps=full_steps, device_pool=device_pool)
-    res["pool"] = type(pool).__name__ + (" (full-pool live steps)" if getattr(pool, "full_step", None) else "")
+    res["pool"] = type(pool).__name__ + (" (full-pool live steps)" if pool.full_step is not None else "")
     if getattr(pool, "full_step_error", None):
         res["full_step_error"] = pool.full_step_error
     live = [dev.stream(sr, pool=pool) for _ in range(streams)]
