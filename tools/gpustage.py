@@ -1,15 +1,15 @@
 """A GPU stage prepared on the CPU: `python -m tools.gpustage prepare` here, `run` on the GPU machine.
 
-The GPU machine takes one bash command per call, each call sending the working tree (about 35 MiB:
-the models are tracked; the corpus recipes are gzipped for this) plus a few ignored paths, 64 MiB in
-all; it has no network and a few minutes of device time. So `prepare` does the slow and fallible steps here:
+The GPU machine takes one bash command per call, each call sending the working tree (`tree_mib`:
+tracked and untracked-not-ignored files; the models are tracked, the corpus recipes gzipped for
+this) plus a few ignored paths, 64 MiB in all; it has no network and a few minutes of device time.
+So `prepare` (`tools.gpustage_pack`) does the slow and fallible steps here:
 
     python -m tools.gpustage prepare --data ../enhancer-data --out gpu-carry -- <fit flags>
 
 packs the corpus (`enhancer-train pack`: the speech lossless, noise and music as Opus at quality
-0.8, 56 kbit/s; by default (`HOURS`) 2 h of the speech, all 3.7 h of the noise and 1.5 h of the
-music, 251 MiB, 11 pieces of 24.8 MiB, 2.5 minutes on the 2-core EPYC; `--hours SET=H` caps one set
-instead of its default), tars it, splits the tar
+0.8, 56 kbit/s; by default (`HOURS`) 2 h of the speech, all of the noise and 1.5 h of the music;
+`--hours SET=H` caps one set instead of its default), tars it, splits the tar
 into `gpu-carry/piece-NN/part-NN` of at most `--piece-mb` MiB (default: what a call leaves beside
 the tree, less 4 MiB), adds to piece-00 the wheels the device's Python 3.12 lacks (soundfile, cffi,
 soxr; torch, numpy, scipy, tqdm are there) and the `--init` checkpoint (as float16) unless it is a
@@ -22,11 +22,11 @@ machine); the last also carries the plan and runs, with the system python,
 
 (`--minutes` shrinks to what `--budget` 15 device minutes leave after ~2 to start, ~0.5 per transfer
 call and 1 for the results and a margin: each piece costs about half a minute of training; these are
-estimates, so before the last call the device's status sets it: the minutes left less 1, at most 9).
-After another check in the same session, with the machine still warm, give `--budget` the minutes
-left plus the 2 of a start, and pack less: `--budget 11 --hours speech_train=1 --hours noise_train=2
---hours music_train=0.75` packs 128 MiB in 6 pieces and leaves 5.5 minutes for the run (2.2 minutes
-on the 2-core EPYC Zen 4).
+estimates, so before the last call the device's status sets it: the minutes left less 1, at most 9;
+`prepare` refuses a plan that leaves less than 3). After another check in the same session, with
+the machine still warm, give `--budget` the minutes left plus the 2 of a start, and pack less, e.g.
+`--budget 11 --hours speech_train=1 --hours noise_train=2 --hours music_train=0.75`. Sizes and
+times of both plans: docs/performance.md, GPU stage.
 
 It checks every piece (a missing or damaged one stops it at once, naming the call to repeat), joins
 and checks the tar, unpacks it, installs the wheels into `.gpu/site`, checks the imports and the
@@ -44,28 +44,12 @@ window, as in the CPU stage (`training.loop.full_window_seconds`; 6.1 s for the 
 frames, 4 s for 128 or less), and the batch keeps 512 s of audio per step (84 x 6.1 s; 128 x 4 s).
 Flags whose segments are shorter than that get a warning at `prepare`, before any device time.
 
-Checked on the CPU with the device's software (Python 3.12, torch 2.11.0+cu130, numpy 2.5.2, and
-none of the wheels piece-00 carries): the calls of today's 11-piece plan made locally in order, then
-`run --minutes 4` joined and unpacked the pack (1.2 s), passed the preflight and fit 6 steps of 84 x
-6.1 s on the 2-core AMD EPYC family 26 model 2 (Zen 5), averaged them and left every output, status ok;
-with `-- --data-workers 2 --batch-size 16` (the forked feeder, as on the device) 58 steps at 32
-audio-s/s, `data_wait_share` 0.00004.
-
-Expected (docs/training-log.md; batch 128 of 4 s with a 128-frame window, bf16, 14 mixing
-processes): one arm alone 2,990 audio-s/s on an H100 (phase 15; 2,900-3,670 per row) and 2,989 on an
-H200 (phase 17); two arms side by side 2,270-2,460 each on an H200 (phase 20: 8 minutes, ~2,220
-steps each), ~2,060-2,100 each on an H100 (phase 18). Those runs' trainer received every batch
-through the pool's pipes, 125-224 ms of its CPU per batch on the 2-core EPYC; the feeder now writes
-into shared memory (0.6-3.8 ms), so a run should step faster, up to the model step alone (6,700
-audio-s/s at bf16 on an H100, 2 s segments; longer segments cost more per second of audio, as the
-training forward computes the whole T x T attention: `enhancer-train bench-fit --init models/tim.pt
---precision bf16 --threads 2` on a 2-core AMD EPYC family 26 model 2 (Zen 5) gave 59 audio-s/s at 16
-x 4 s, 34 at 10 x 6.4 s and 28 at 8 x 8 s). So the 7 minutes that 11 pieces leave of the 15 train
-~6 minutes: about 0.8-1.1 M audio-s (230-300 h of mixtures); summary.json flags a median under 2,000
-on CUDA. Its `fit.result.data_wait_share` is the share of the steps' time spent waiting for batches:
-near 1, the mixing bounds the run; near 0, the model step does, and `run ... -- --compile` doubles
-it (13,000 audio-s/s compiled on an H100) for a compilation in the first step (`fit --compile --init
-models/tim.pt`, batch 2 of 2 s, bf16, on the 2-core EPYC: 89 s, then it ran).
+summary.json's `throughput` is the median, 5th and 95th percentiles of fit's audio-seconds per
+second over its train rows; on CUDA, `below_expected` flags a median under `EXPECTED["below"]`
+(the throughput of past runs, and what a stage trains in its minutes: docs/performance.md, GPU
+stage). `fit.result.data_wait_share` is the share of the steps' time spent waiting for batches:
+near 1, the mixing bounds the run; near 0, the model step does, and `run ... -- --compile` speeds
+that up for a compilation in the first step.
 Then, on the CPU (the shipped model's last-stage recipe), the unseen dev set deciding:
 
     OMP_NUM_THREADS=2 enhancer-train fit --data ../enhancer-data --out ../runs/gA --init gpustage.pt \\

@@ -45,9 +45,9 @@ class ServerProcess:
         return self.log.read_text(errors="replace")[-n:]
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
-        """Poll /readyz until 200. One client for all polls: `httpx.get` builds a TLS context per call
-        (tens of ms of CPU each), and polling that way every 0.2 s took a quarter of a core from the
-        server while it timed its capacity (a 2-core machine then measured a third of what it holds)."""
+        """Poll /readyz every 0.2 s until 200, through one client for all polls: `httpx.get` builds a
+        TLS context per call (tens of ms of CPU each), CPU the server would lose while it times its
+        capacity, and then it would measure less than the machine holds."""
         import httpx
 
         deadline = time.time() + timeout

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 BLOCK_SIZE = 32
-ACCURACY_LEVEL = 4  # int8 activations x int8 weights; level 0 (float32 compute) is far slower here
+ACCURACY_LEVEL = 4  # int8 activations x int8 weights (level 0 computes in float32, slower)
 KEEP_FLOAT = ("fwd_basis", "inv_basis", "pitch_member", "pitch_interp", "pitch_corr_fwd", "pitch_corr_inv")
 MIN_PARITY_SNR_DB = 30.0  # export check: output energy over (int8 graph - torch) energy, random audio
 
