@@ -1,6 +1,7 @@
 """Default places of the data that lives beside a source checkout (`../shared/data`): the
-DNSMOS models and the real Voicebank+DEMAND p287 pairs. Only the command line reads them, and
-passes them to the commands as the defaults of their flags; no other module knows these paths."""
+DNSMOS models and the real Voicebank+DEMAND p287 pairs; and the corpus root the documented commands
+name (`../enhancer-data`). Only the command lines read them, and pass them to the commands as the
+defaults of their flags; no other module knows these paths."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ SHARED_DATA = CHECKOUT.parent / "shared" / "data"
 class Defaults:
     dnsmos_dir: Path | None  # DNSMOS models (eval, fit --dev); None: not there
     real_pairs: Path  # noisy/ and clean/ real recordings added to the dev sets (devset)
+    corpus: Path = CHECKOUT.parent / "enhancer-data"  # a corpus root (manifests/ and audio), e.g. peers.fullband --data
 
     @classmethod
     def beside_checkout(cls, shared_data: Path = SHARED_DATA) -> Defaults:

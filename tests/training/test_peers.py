@@ -376,3 +376,28 @@ def test_dnsmos_folder_from_the_flags(tmp_path):
     assert dnsmos_for(_args(["--dnsmos", str(tmp_path)])) == str(tmp_path)
     with pytest.raises(DataError, match="--dnsmos: folder not found"):
         dnsmos_for(_args(["--dnsmos", str(tmp_path / "nope")]))
+
+
+# ---------------------------------------------------------------------- the full-band evaluation's places
+def test_fullband_finds_its_data_beside_the_checkout_or_where_the_flags_say(tmp_path):
+    """`training.peers.fullband` names no machine's paths: the corpus and the DNSMOS models default
+    to `../enhancer-data` and `../shared/data/dnsmos` beside the repository, and flags move them."""
+    from training.defaults import CHECKOUT, Defaults
+    from training.peers.fullband import build_parser
+
+    a = build_parser().parse_args([])
+    assert a.data == CHECKOUT.parent / "enhancer-data"
+    assert a.dnsmos in (None, CHECKOUT.parent / "shared" / "data" / "dnsmos")
+    d = Defaults(dnsmos_dir=tmp_path / "dnsmos", real_pairs=tmp_path / "pairs", corpus=tmp_path / "corpus")
+    a = build_parser(d).parse_args([])
+    assert (a.data, a.dnsmos) == (tmp_path / "corpus", tmp_path / "dnsmos")
+    a = build_parser(d).parse_args(["--data", str(tmp_path / "other"), "--no-dnsmos"])
+    assert a.data == tmp_path / "other" and a.no_dnsmos
+
+
+def test_fullband_without_a_corpus_is_a_usage_error(tmp_path, capsys):
+    from training.peers.fullband import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--data", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "no manifests/ folder" in capsys.readouterr().err

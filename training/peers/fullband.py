@@ -1,12 +1,15 @@
 """Full-band evaluation: the upper band (8-20 kHz) kept above 16 kHz, against DeepFilterNet3.
 
     python -m training.peers.fullband --out runs/fullband          # builds the set, scores
+    python -m training.peers.fullband --data CORPUS --dnsmos DIR   # another corpus, DNSMOS models
     .venv-peers/bin/python -m training.peers.fullband ...           # with DeepFilterNet3 too
 
 The set: full-band speech of voices the model never trained on (the corpus's *valid* speech rows
 at 44.1 kHz whose bandwidth is above 16 kHz: KLettres, KTuberling, Tux Paint el/da), clips of one
 voice strung together with pauses of 0.3-0.9 s into 6-8 s utterances, mixed with full-band noise
-(the corpus's valid noise rows at >= 44.1 kHz) at 0-20 dB. Every mixture is scored at 44.1 kHz
+(the corpus's valid noise rows at >= 44.1 kHz) at 0-20 dB. The corpus is `--data` (default:
+`../enhancer-data` beside the checkout), the DNSMOS models `--dnsmos` (default: `../shared/data/dnsmos`
+beside the checkout, when there; `training.defaults`). Every mixture is scored at 44.1 kHz
 (as recorded) and at 48 kHz (the same mixture resampled). Nothing here trains anything.
 
 Systems: the noisy input, tim-enhancer full band (the default), tim-enhancer `band="speech"`,
@@ -37,26 +40,24 @@ from pathlib import Path
 import numpy as np
 import soxr
 
-DATA = Path("/work/enhancer-data")
 RATE = 44100
 RATES = (44100, 48000)
 BAND_HZ = (8000.0, 20000.0)
 N_FFT, HOP = 1024, 512
 SPEECH_DB, PAUSE_DB, PAUSE_MARGIN = -30.0, -50.0, 6
 FLOOR = 1e-10  # -100 dB power floor of the log-spectral distance
-DNSMOS_DIR = Path("/work/shared/data/dnsmos")
 
 
 # ---------------------------------------------------------------------- the set
-def _rows(name: str) -> list[dict]:
-    with open(DATA / "manifests" / name, newline="") as f:
+def _rows(data: Path, name: str) -> list[dict]:
+    with open(data / "manifests" / name, newline="") as f:
         return list(csv.DictReader(f, delimiter="\t"))
 
 
-def _load(path: str) -> np.ndarray:
+def _load(data: Path, path: str) -> np.ndarray:
     import soundfile as sf
 
-    x, sr = sf.read(DATA / path, dtype="float32", always_2d=True)
+    x, sr = sf.read(data / path, dtype="float32", always_2d=True)
     x = x.mean(axis=1)
     if sr != RATE:
         x = soxr.resample(x, sr, RATE, quality="VHQ").astype(np.float32)
@@ -77,12 +78,13 @@ def _trim(x: np.ndarray) -> np.ndarray:
     return x[on[0] * f:(on[-1] + 1) * f] if len(on) else x
 
 
-def build_set(n_files: int, seed: int, split: int) -> list[dict]:
-    """n_files mixtures at 44.1 kHz: clean, noise (scaled), noisy; `split` 0/1 takes every other
-    clip of each voice and noise (0: the reported set, 1: a disjoint set for choosing settings)."""
+def build_set(n_files: int, seed: int, split: int, data: Path) -> list[dict]:
+    """n_files mixtures at 44.1 kHz from the corpus at `data`: clean, noise (scaled), noisy; `split`
+    0/1 takes every other clip of each voice and noise (0: the reported set, 1: a disjoint set for
+    choosing settings)."""
     rng = np.random.default_rng(seed)
-    speech = [r for r in _rows("speech_valid.tsv") if int(r["sample_rate"]) >= 44100 and float(r["bandwidth_hz"]) > 16000]
-    noise = [r for r in _rows("noise_valid.tsv") if int(r["sample_rate"]) >= 44100 and float(r["bandwidth_hz"]) > 16000
+    speech = [r for r in _rows(data, "speech_valid.tsv") if int(r["sample_rate"]) >= 44100 and float(r["bandwidth_hz"]) > 16000]
+    noise = [r for r in _rows(data, "noise_valid.tsv") if int(r["sample_rate"]) >= 44100 and float(r["bandwidth_hz"]) > 16000
              and float(r["seconds"]) >= 1.0]
     speech, noise = speech[split::2], noise[split::2]
     voices: dict[str, list[dict]] = {}
@@ -98,7 +100,7 @@ def build_set(n_files: int, seed: int, split: int) -> list[dict]:
         target = rng.uniform(6.0, 8.0)
         parts, total = [np.zeros(int(rng.uniform(0.3, 0.6) * RATE), np.float32)], 0.0
         for j in rng.permutation(len(voices[voice])):
-            c = _trim(_load(voices[voice][j]["path"]))
+            c = _trim(_load(data, voices[voice][j]["path"]))
             if _upper_share(c) < 1e-4:  # the manifest's bandwidth says full band, the clip is not
                 bad[voice] = bad.get(voice, 0) + 1
                 if bad[voice] >= 5 and total == 0.0:  # a band-limited voice (Tux Paint el): left out
@@ -116,7 +118,7 @@ def build_set(n_files: int, seed: int, split: int) -> list[dict]:
         nz, used = [], 0
         while used < len(clean):
             r = noise[int(rng.integers(len(noise)))]
-            x = _load(r["path"])
+            x = _load(data, r["path"])
             if np.sqrt(np.mean(x ** 2)) < 1e-4:
                 continue
             nz.append(x)
@@ -215,16 +217,19 @@ def systems(want_peer: bool) -> dict:
     return out
 
 
-def run(n_files: int, seed: int, split: int, out_dir: Path, want_peer: bool = True) -> dict:
+def run(n_files: int, seed: int, split: int, out_dir: Path, want_peer: bool = True, *, data: Path,
+        dnsmos_dir: Path | None = None) -> dict:
+    """Build the set from the corpus at `data`, score every system at each rate, write the reports
+    into `out_dir`; DNSMOS with the models in `dnsmos_dir` when they are there (None: without)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    mixtures = build_set(n_files, seed, split)
+    mixtures = build_set(n_files, seed, split, data)
     print(f"set: {len(mixtures)} mixtures in {time.time() - t0:.0f} s", file=sys.stderr)
     dnsmos = None
-    if (DNSMOS_DIR / "DNSMOS" / "sig_bak_ovr.onnx").is_file():
+    if dnsmos_dir is not None and (dnsmos_dir / "DNSMOS" / "sig_bak_ovr.onnx").is_file():
         from training.evaluation.dnsmos import DNSMOS
 
-        dnsmos = DNSMOS(DNSMOS_DIR)
+        dnsmos = DNSMOS(dnsmos_dir)
     syst = systems(want_peer)
     per_file: dict = {}
     for sr in RATES:
@@ -277,16 +282,34 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser(defaults=None) -> argparse.ArgumentParser:
+    """The command's flags; the corpus and DNSMOS defaults from `defaults` (`training.defaults.Defaults`,
+    by default the places beside the checkout)."""
+    from training.defaults import Defaults
+
+    d = defaults or Defaults.beside_checkout()
     p = argparse.ArgumentParser(prog="python -m training.peers.fullband", description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, default=d.corpus, help="the corpus root: manifests/ and the audio they name "
+                   f"(default: {d.corpus}, ../enhancer-data beside the checkout)")
+    p.add_argument("--dnsmos", type=Path, default=d.dnsmos_dir, help="DNSMOS model folder (default: "
+                   "../shared/data/dnsmos beside the checkout if present)")
+    p.add_argument("--no-dnsmos", action="store_true", help="skip DNSMOS")
     p.add_argument("--files", type=int, default=40, help="mixtures (default 40)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", type=int, choices=(0, 1), default=0,
                    help="0: the reported set; 1: a disjoint set of clips for choosing settings")
     p.add_argument("--out", type=Path, default=Path("runs/fullband"))
     p.add_argument("--no-peer", action="store_true", help="leave DeepFilterNet3 out")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
-    result = run(a.files, a.seed, a.split, a.out, not a.no_peer)
+    if not (a.data / "manifests").is_dir():
+        p.error(f"--data {a.data}: no manifests/ folder (a corpus root, as for enhancer-train fit --data)")
+    result = run(a.files, a.seed, a.split, a.out, not a.no_peer, data=a.data,
+                 dnsmos_dir=None if a.no_dnsmos else a.dnsmos)
     print(markdown(result))
     return 0
 
