@@ -46,6 +46,11 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--step-key-file", default=None, metavar="PATH", help="file holding the key shared with the "
                    "step server (its trailing newline stripped; default: $TIM_ENHANCER_STEP_KEY); required with "
                    "--step-server")
+    s.add_argument("--full-steps", action=argparse.BooleanOptionalAction, default=None, help="on a device pool, "
+                   "each round's live step covers the whole pool through one static graph (a CUDA graph under CUDA; "
+                   "default: $TIM_ENHANCER_FULL_STEPS=1)")
+    s.add_argument("--device-pool", action=argparse.BooleanOptionalAction, default=None, help="keep the streams' "
+                   "state in a device pool on the CPU too (always under CUDA; default: $TIM_ENHANCER_DEVICE_POOL=1)")
     s.set_defaults(fn=cmd_serve)
     return s
 
@@ -59,7 +64,8 @@ def cmd_serve(a) -> int:
         run(host=a.host, port=a.port, model=a.model, device=a.device, workers=a.workers, max_streams=a.max_streams,
             api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin, loop_ms=a.loop_ms,
             drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port, step_server=a.step_server,
-            max_batch_wait_ms=a.max_batch_wait_ms, step_key=step_key)
+            max_batch_wait_ms=a.max_batch_wait_ms, step_key=step_key, full_steps=bool(a.full_steps),
+            device_pool=bool(a.device_pool))
     except ModuleNotFoundError as e:  # installed without the [serve] extra
         raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "
                             f"'tim-enhancer[cpu,serve]' ({e})") from None

@@ -67,6 +67,12 @@ class Settings:
     step_server: str | None = None
     # the key shared with that step server (required with step_server). Also $TIM_ENHANCER_STEP_KEY
     step_key: str | None = None
+    # on a device pool, each round's live step covers the whole pool through one static graph (a CUDA
+    # graph under CUDA); also `enhancer serve --full-steps` and $TIM_ENHANCER_FULL_STEPS=1
+    full_steps: bool = False
+    # keep the streams' state in a device pool on the CPU too (under CUDA it always is);
+    # also `enhancer serve --device-pool` and $TIM_ENHANCER_DEVICE_POOL=1
+    device_pool: bool = False
 
     def __post_init__(self):
         if self.workers is None:  # frozen: the resolved default is set once, here
@@ -146,6 +152,9 @@ class Settings:
         if self.step_server is not None and not self.step_key:
             raise ValueError(f"step_server needs step_key, the key shared with the step server: --step-key-file PATH "
                              f"or ${STEP_KEY_ENV}")
+        for name in ("full_steps", "device_pool"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.capacity_follow, bool):
             raise ValueError(f"capacity_follow must be true or false, got {self.capacity_follow!r}")
         if self.api_key is not None and not str(self.api_key).strip():

@@ -8,6 +8,7 @@ generator processes (`tools.loadtest --json`), their results summed into one rep
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -111,14 +112,8 @@ def _aggregate(parts: list[dict]) -> dict:
 
 
 def _pool_settings(full_steps: bool) -> dict:
-    """The service settings that switch its pools to full-pool live steps: {} unless `full_steps`
-    and `Settings` has the field."""
-    import dataclasses
-
-    from server.settings import Settings
-
-    has = "full_steps" in {f.name for f in dataclasses.fields(Settings)}
-    return {"full_steps": True} if full_steps and has else {}
+    """The service settings that switch its pools to full-pool live steps."""
+    return {"full_steps": True} if full_steps else {}
 
 
 def load_test_step_server(model: Path, device: str, fronts: int, per_front: int, seconds: float, batch_wait_ms: float,
@@ -127,16 +122,21 @@ def load_test_step_server(model: Path, device: str, fronts: int, per_front: int,
     live steps) and `fronts` service processes stepping through it (`enhancer serve --step-server`),
     each admitting `per_front` live streams (a fixed capacity) and driven by a load generator
     process of its own."""
+    import secrets
     import tempfile
 
     from .launch import ServerProcess
 
     address = tempfile.mktemp(prefix="tim-step-", suffix=".sock")
+    key = secrets.token_hex(32)  # the key the step server and its front-ends share
+    key_fd, key_file = tempfile.mkstemp(prefix="tim-step-", suffix=".key")
+    with os.fdopen(key_fd, "w") as f:
+        f.write(key)
     log_path = Path(tempfile.mkstemp(prefix="tim-step-", suffix=".log")[1])
     t0 = time.perf_counter()
     with open(log_path, "wb") as log_file:
         step = subprocess.Popen([sys.executable, "-m", "server.stepserver", "--address", address, "--device", device,
-                                 "--lanes", str(lanes), "--model", str(model),
+                                 "--lanes", str(lanes), "--model", str(model), "--key-file", key_file,
                                  *(["--full-steps"] if full_steps else [])], cwd=REPO_ROOT,
                                 stdout=subprocess.DEVNULL, stderr=log_file)
     procs: list = []
@@ -149,7 +149,7 @@ def load_test_step_server(model: Path, device: str, fronts: int, per_front: int,
                 raise RuntimeError(f"step server did not start: {log_path.read_text(errors='replace')[-2000:]}")
             time.sleep(0.1)
         procs = [ServerProcess(model, device="cpu", workers=1, max_streams=per_front, capacity=per_front,
-                               step_server=address, max_batch_wait_ms=batch_wait_ms) for _ in range(fronts)]
+                               step_server=address, step_key=key, max_batch_wait_ms=batch_wait_ms) for _ in range(fronts)]
         for srv in procs:
             srv.wait_ready(timeout=240)
         res["start_s"] = round(time.perf_counter() - t0, 1)
@@ -163,6 +163,7 @@ def load_test_step_server(model: Path, device: str, fronts: int, per_front: int,
         except subprocess.TimeoutExpired:
             step.kill()
         res["step_server_log_tail"] = log_path.read_text(errors="replace")[-1500:]
+        Path(key_file).unlink(missing_ok=True)
     print(f"step server + {fronts} x {per_front}: admitted {res.get('admitted')}, late {res.get('late')} "
           f"({res.get('late_other')} apart from stalls) of {res.get('messages')}, p50 {res.get('latency_p50_ms_median')} ms, "
           f"worst p99 {res.get('latency_p99_ms_worst')} ms", flush=True)

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from enhancer.runtime import OFFLINE_FRAMES, LanePool, StepResult
+from enhancer.pools import LanePoolProtocol
+from enhancer.runtime import OFFLINE_FRAMES, StepResult
 from server.metrics import Metrics
 from server.scheduling.calls import Part, run_parts
 from server.scheduling.duty import FileShare
@@ -63,7 +64,7 @@ class Batcher:
 
     timings = None
 
-    def __init__(self, pool: LanePool, jobs: dict[int, Job], metrics: Metrics, lateness: LatenessPolicy,
+    def __init__(self, pool: LanePoolProtocol, jobs: dict[int, Job], metrics: Metrics, lateness: LatenessPolicy,
                  files: FileShare, max_wait_s: float, fail: Callable[[Job, Exception], None]):
         self.pool, self.jobs, self.metrics = pool, jobs, metrics
         self.lateness, self.files = lateness, files

@@ -186,7 +186,7 @@ class Scheduler:
     @property
     def ready(self) -> bool:
         """Workers running and, with a step server, reachable from each of them."""
-        return bool(self.workers) and all(w.is_alive() and getattr(w.pool, "connected", True) for w in self.workers)
+        return bool(self.workers) and all(w.is_alive() and w.pool.connected for w in self.workers)
 
     @property
     def enhancer(self) -> Enhancer:

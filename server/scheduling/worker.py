@@ -22,6 +22,7 @@ import numpy as np
 from enhancer.cursor import StreamCursor
 from enhancer.device_pool import make_pool
 from enhancer.errors import AudioError
+from enhancer.pools import LanePoolProtocol
 from enhancer.runtime import Enhancer
 from server.errors import ErrorKind, ServiceError
 from server.metrics import Metrics
@@ -45,12 +46,14 @@ class Worker(threading.Thread):
     cycle while there are any."""
 
     def __init__(self, index: int, enhancer: Enhancer, pool_size: int, metrics: Metrics, max_wait_s: float = 0.0,
-                 settings: Settings | None = None, service_live: Callable[[], int] | None = None, pool=None):
+                 settings: Settings | None = None, service_live: Callable[[], int] | None = None,
+                 pool: LanePoolProtocol | None = None):
         super().__init__(name=f"tim-worker-{index}", daemon=True)
         s = settings or Settings()
         self.index, self.enhancer, self.metrics = index, enhancer, metrics
         # on CUDA the caches stay on the GPU; with a step server, `pool` is a RemoteLanePool
-        self.pool = pool if pool is not None else make_pool(enhancer.engine, pool_size)
+        self.pool = pool if pool is not None else make_pool(enhancer.engine, pool_size, full_steps=s.full_steps,
+                                                                      device_pool=s.device_pool)
         self.ledger = LaneLedger(size=pool_size, capacity=pool_size, free=pool_size)  # admission sets the capacity
         cfg = enhancer.config
         hop_s = cfg.stft.hop / cfg.stft.sample_rate

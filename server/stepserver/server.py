@@ -24,6 +24,7 @@ HMAC challenge-response of `auth` (both sides prove the key, which is never sent
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import time
@@ -53,7 +54,8 @@ class StepServer:
     thread; `stop` ends it."""
 
     def __init__(self, address: str, model=None, device: str = "auto", lanes: int = 1024, threads: int = 1,
-                 gather_ms: float = GATHER_MS, full_steps: bool | None = None, key: str | bytes | None = None):
+                 gather_ms: float = GATHER_MS, full_steps: bool = False, key: str | bytes | None = None,
+                 device_pool: bool = False):
         if not key:
             raise EnhancerError(NO_KEY)
         from enhancer.device_pool import make_pool
@@ -63,7 +65,7 @@ class StepServer:
         check_device(device)
         self.enhancer = Enhancer.from_pretrained(model, providers=providers_for(device), threads=threads)
         check_device(device, self.enhancer.provider)
-        self.pool = make_pool(self.enhancer.engine, lanes, full_steps=full_steps)
+        self.pool = make_pool(self.enhancer.engine, lanes, full_steps=bool(full_steps), device_pool=device_pool)
         self.gather_s = gather_ms / 1000.0
         self.address = str(address)
         self.fronts = Fronts(self.address, auth.as_key(key), on_drop=self._free)
@@ -76,7 +78,7 @@ class StepServer:
         eng = self.enhancer.engine
         return {"config": eng.config.to_dict(), "lanes": self.pool.capacity, "provider": eng.provider,
                 "model": str(eng.path), "pool": type(self.pool).__name__, "pid": os.getpid(),
-                "full_steps": getattr(self.pool, "full_step", None) is not None}
+                "full_steps": self.pool.full_step is not None}
 
     def stop(self) -> None:
         """End `serve_forever` (its front-ends see their connections close); new connections are refused now."""
@@ -93,7 +95,7 @@ class StepServer:
     # rounds
     def serve_forever(self) -> None:
         log.info("step server at %s: %s, %d lanes (%s%s)", self.address, self.enhancer.provider, self.pool.capacity,
-                 type(self.pool).__name__, ", full-pool live steps" if getattr(self.pool, "full_step", None) else "")
+                 type(self.pool).__name__, ", full-pool live steps" if self.pool.full_step is not None else "")
         next_report = time.monotonic() + REPORT_S
         pending: list[tuple[Front, wire.Message]] = []  # calls to step in the next round
         first = 0.0  # when the first of them arrived
@@ -211,7 +213,10 @@ def add_arguments(p, devices) -> None:
                    "this onnxruntime has it, else CPU)")
     p.add_argument("--lanes", type=int, default=1024, help="lanes of the pool (one per channel of every stream "
                    "and file of every front-end)")
-    p.add_argument("--full-steps", action="store_true", default=None, help="each round's live step covers the "
+    p.add_argument("--device-pool", action=argparse.BooleanOptionalAction, default=None, help="keep the "
+                   "streams' state in a device pool on the CPU too (always under CUDA; default: "
+                   "$TIM_ENHANCER_DEVICE_POOL=1)")
+    p.add_argument("--full-steps", action=argparse.BooleanOptionalAction, default=None, help="each round's live step covers the "
                    "whole pool through a static graph, replayed as a CUDA graph under CUDA (one launch instead of "
                    "a thousand; default: $TIM_ENHANCER_FULL_STEPS=1)")
     p.add_argument("--gather-ms", type=float, default=GATHER_MS, help="how long a round waits for the front-ends "
@@ -226,7 +231,8 @@ def run(a, key: str | bytes | None = None) -> int:
     if not key:
         raise EnhancerError(NO_KEY)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    srv = StepServer(a.address, a.model, a.device, a.lanes, gather_ms=a.gather_ms, full_steps=a.full_steps, key=key)
+    srv = StepServer(a.address, a.model, a.device, a.lanes, gather_ms=a.gather_ms, full_steps=bool(a.full_steps), key=key,
+                     device_pool=bool(a.device_pool))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: srv.stop())
     srv.serve_forever()
