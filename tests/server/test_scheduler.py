@@ -63,7 +63,12 @@ def test_a_live_job_that_fails_leaves_the_live_count(enhancer_rt):
     assert failed is job and delivery.final and delivery.error.kind == "invalid_audio"
 
 
-def test_switch_interval_is_lowered_while_schedulers_run_and_restored_after_the_last():
+def test_switch_interval_is_lowered_while_schedulers_run_and_restored_after_the_last(monkeypatch):
+    # on its own: no scheduler of another test (the session's live server) holds the interval
+    monkeypatch.setattr(SwitchInterval, "_holders", 0)
+    monkeypatch.setattr(SwitchInterval, "_saved", None)
+    outer = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
     before = sys.getswitchinterval()
     SwitchInterval.lower()
     SwitchInterval.lower()  # a second scheduler in the same process
@@ -74,6 +79,7 @@ def test_switch_interval_is_lowered_while_schedulers_run_and_restored_after_the_
     assert sys.getswitchinterval() == pytest.approx(before)
     SwitchInterval.restore()  # more restores than lowers: no change
     assert sys.getswitchinterval() == pytest.approx(before)
+    sys.setswitchinterval(outer)
 
 
 def test_scheduler_reserves_lanes_on_the_loop_and_restores_the_switch_interval(model_path):
