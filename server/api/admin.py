@@ -1,5 +1,5 @@
 """Rotating the API keys without a restart: the key file is read again on SIGHUP and on `POST
-/v1/admin/reload` (an admin key only; `server.api.auth`).
+/v1/admin/reload` (an admin key only; `server.api.auth`; the route exists only with a key file).
 
 A new file takes effect at once for new requests and streams. The live streams of a key no longer
 in the file finish their session (`removed_streams = "finish"`, the default) or are closed at once
@@ -75,7 +75,6 @@ def install_sighup(app) -> bool:
 RESPONSES = {
     401: {"description": "API key missing"},
     403: {"description": "API key wrong, or not an admin key"},
-    404: {"description": "The server has no key file (it was started without --api-keys)"},
     422: {"description": "The key file is malformed (the error names the line); the keys in force were kept"},
 }
 
@@ -86,6 +85,6 @@ async def reload(request: Request) -> dict:
     """Rotate keys without a restart: the key file (`--api-keys`) is read again and takes effect at
     once; streams of removed keys finish or are closed, as the file's `removed_streams` says."""
     match = request.scope.get(SCOPE_KEY)
-    if request.app.state.keys.file is not None and (match is None or not match.admin):
+    if match is None or not match.admin:
         raise ServiceError(ErrorKind.FORBIDDEN, "this needs an admin key (admin = true in the key file)")
     return reload_keys(request.app, "POST /v1/admin/reload")

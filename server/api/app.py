@@ -81,7 +81,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _add_error_handlers(app, metrics)
     app.include_router(rest.router)
     app.include_router(ws.router)
-    app.include_router(admin.router)
+    if keys.file is not None:  # POST /v1/admin/reload: only where there is a key file to read again
+        app.include_router(admin.router)
     _add_operations(app, metrics)
     _add_demo(app)
     return app

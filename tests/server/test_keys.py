@@ -280,6 +280,7 @@ def test_metrics_are_for_admin_keys_and_name_keys_by_name(keyed):
     assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
     r = httpx.post(srv.base + "/v1/admin/reload", headers={"X-API-Key": BETA}, timeout=10)
     assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
+    assert httpx.post(srv.base + "/v1/admin/reload", timeout=10).status_code == 401
     text = httpx.get(srv.base + f"/metrics?api_key={OPS}", timeout=10).text
     assert 'tim_key_streams_total{key_name="beta"}' in text and "tim_api_keys 3.0" in text
     assert 'tim_key_audio_seconds_total{key_name="beta",source="stream"} 0.5' in text
