@@ -28,8 +28,9 @@ def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "au
         max_streams: int = 64, api_key: str | None = None, **limits) -> None:
     """Serve until SIGTERM / SIGINT, then drain the live streams (see `serving`). `model`: path of
     an exported step graph (default: the shipped model); `workers` None: one per CPU this process may
-    use; `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*; `limits`: other `Settings` fields
-    (max_upload_bytes, max_duration_s, idle_timeout_s, max_message_bytes, max_messages_per_s, cors_origins ...)."""
+    use; `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*, or `api_keys_file` names keys with their
+    own limits; `limits`: other `Settings` fields (max_upload_bytes, max_duration_s, idle_timeout_s,
+    max_message_bytes, max_messages_per_s, cors_origins, ssl_certfile, ssl_keyfile ...)."""
     from enhancer.errors import CheckpointError
     from enhancer.runtime import default_model_path
     from server.serving import serve
