@@ -60,14 +60,24 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
 
 def check_tls(settings: Settings) -> None:
     """StartupError unless the certificate and its key load (uvicorn would fail later, with a traceback)."""
-    if settings.ssl_certfile is None:
+    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    if cert is None:
         return
+    why = None
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
-    except (OSError, ssl.SSLError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else getattr(e, "reason", None) or str(e)
-        raise StartupError(f"cannot load the TLS certificate {settings.ssl_certfile} with the key "
-                           f"{settings.ssl_keyfile}: {str(why).lower()}") from None
+        for path, marker, what in ((cert, "-----BEGIN CERTIFICATE-----", "no PEM certificate"),
+                                   (key, "PRIVATE KEY-----", "no PEM private key")):
+            if marker not in path.read_text(errors="replace"):
+                why = f"{path.name} holds {what}"
+                break
+        else:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        why = "the key is not the certificate's" if e.reason == "KEY_VALUES_MISMATCH" else str(e)
+    except OSError as e:
+        why = (e.strerror or str(e)).lower()
+    if why is not None:
+        raise StartupError(f"cannot load the TLS certificate {cert} with the key {key}: {why}")
 
 
 class Server(uvicorn.Server):

@@ -235,14 +235,25 @@ def test_stream_and_upload_through_haproxy_over_tls(live, tmp_path):
     live.wait_idle()
 
 
-def test_a_certificate_that_does_not_load_stops_the_start(tmp_path):
+def test_a_certificate_that_does_not_load_stops_the_start(tmp_path, model_path):
     from server.serving import StartupError, check_tls
     from server.settings import Settings
 
-    tls = certificate(tmp_path / "tls")
+    tls, other = certificate(tmp_path / "tls"), certificate(tmp_path / "other")
     check_tls(Settings.build(ssl_certfile=tls.cert, ssl_keyfile=tls.key))  # loads
-    for cert, key, words in ((tmp_path / "none.pem", tls.key, "no such file"), (tls.key, tls.cert, "cannot load"),
-                             (tls.cert, tls.cert, "cannot load")):
-        with pytest.raises(StartupError, match="cannot load the TLS certificate") as e:
+    for cert, key, why in ((tmp_path / "none.pem", tls.key, "no such file or directory"),
+                           (tls.key, tls.key, "key.pem holds no PEM certificate"),
+                           (tls.cert, tls.cert, "cert.pem holds no PEM private key"),
+                           (tls.cert, other.key, "the key is not the certificate's")):
+        with pytest.raises(StartupError) as e:
             check_tls(Settings.build(ssl_certfile=cert, ssl_keyfile=key))
-        assert words in str(e.value), e.value
+        assert str(e.value) == f"cannot load the TLS certificate {cert} with the key {key}: {why}"
+    # `enhancer serve`: one line, no traceback, exit 2 (so for any invalid setting)
+    exe = Path(sys.executable).with_name("enhancer")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "enhancer"]
+    for args, words in ((["--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(other.key)], "not the certificate's"),
+                        (["--ssl-certfile", str(tls.cert)], "ssl_certfile and ssl_keyfile go together")):
+        done = subprocess.run([*cmd, "serve", "--model", str(model_path), "--device", "cpu", "--capacity", "1", *args],
+                              capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert done.returncode == 2 and done.stderr.startswith("error: ") and words in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
