@@ -114,7 +114,10 @@ class Server(uvicorn.Server):
         if self.started:
             from server.api.admin import install_sighup
 
-            install_sighup(self.app)  # the key file is re-read on SIGHUP (main thread only)
+            keys = self.app.state.keys
+            if install_sighup(self.app) and keys.file is not None:  # the key file is re-read on SIGHUP (main thread)
+                log.info("API keys: %d name(s) from %s (%s); SIGHUP or POST /v1/admin/reload reads it again",
+                         len(keys.ring.keys), keys.file, ", ".join(keys.ring.names))
             scheduler = self.app.state.scheduler
             host = self.config.host
             port = sockets[0].getsockname()[1] if sockets else self.config.port

@@ -153,6 +153,7 @@ def test_enhancer_serve_streams_and_uploads_over_wss_and_https(served):
     with pytest.raises(httpx.ConnectError):  # the client checks the certificate: unknown without the context
         httpx.get(served.base + "/healthz", timeout=5)
     assert "ready: demo at https://127.0.0.1" in served.log_text()
+    assert "API keys: 2 name(s) from " in served.log_text() and "(alpha, beta); SIGHUP" in served.log_text()
 
 
 def test_sighup_rotates_the_keys_while_a_stream_of_a_removed_key_runs_on(served):
