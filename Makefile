@@ -36,7 +36,7 @@ serve: $(SERVE_STAMP)
 	@echo "serving on http://$(HOST):$(PORT)/ (browser demo; REST at /v1/enhance, docs at /docs, health at /healthz)"
 	$(BIN)/enhancer serve --host $(HOST) --port $(PORT)
 
-test: $(TEST_STAMP) browser
+test: $(TEST_STAMP) browser haproxy
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -50,17 +50,18 @@ browser:
 		echo "chromium is not installed: the browser demo test will not run"
 
 # The scale-out test (tests/cluster): three replicas behind Debian's haproxy on loopback, about 2 minutes.
-# haproxy is installed like chromium above (root and apt-get; NO_HAPROXY_INSTALL=1 skips it: the test is then skipped).
+# haproxy (also for `make test`: deploy/haproxy.cfg checked, and a stream and an upload through its TLS
+# bind) is installed like chromium above (root and apt-get; NO_HAPROXY_INSTALL=1 skips it: those tests are then skipped).
 test-cluster: $(TEST_STAMP) haproxy
 	$(BIN)/python -m pytest -q -s -m cluster tests/cluster
 
 haproxy:
 	@command -v haproxy >/dev/null 2>&1 || { [ -z "$(NO_HAPROXY_INSTALL)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
-		echo "make test-cluster: installing Debian's haproxy system-wide with apt-get (NO_HAPROXY_INSTALL=1 skips this)" && \
+		echo "make: installing Debian's haproxy system-wide with apt-get, for the HAProxy tests (NO_HAPROXY_INSTALL=1 skips this)" && \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null && \
 		systemctl disable --now haproxy >/dev/null 2>&1; \
-		echo "make test-cluster: haproxy installed at $$(command -v haproxy)"; } || \
-		echo "haproxy is not installed: the cluster test will be skipped"
+		echo "make: haproxy installed at $$(command -v haproxy)"; } || \
+		echo "haproxy is not installed: the HAProxy tests (TLS, cluster) will be skipped"
 
 bench: $(SERVE_STAMP)
 	$(BIN)/enhancer bench

@@ -28,18 +28,22 @@ def run(host: str = "127.0.0.1", port: int = 8000, model=None, device: str = "au
         max_streams: int = 64, api_key: str | None = None, **limits) -> None:
     """Serve until SIGTERM / SIGINT, then drain the live streams (see `serving`). `model`: path of
     an exported step graph (default: the shipped model); `workers` None: one per CPU this process may
-    use; `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*; `limits`: other `Settings` fields
-    (max_upload_bytes, max_duration_s, idle_timeout_s, max_message_bytes, max_messages_per_s, cors_origins ...)."""
+    use; `api_key` (or $TIM_ENHANCER_API_KEY) protects /v1/*, or `api_keys_file` names keys with their
+    own limits; `limits`: other `Settings` fields (max_upload_bytes, max_duration_s, idle_timeout_s,
+    max_message_bytes, max_messages_per_s, cors_origins, ssl_certfile, ssl_keyfile ...)."""
     from enhancer.errors import CheckpointError
     from enhancer.runtime import default_model_path
-    from server.serving import serve
+    from server.serving import StartupError, serve
 
     path = Path(model) if model is not None else default_model_path()
     if not path.is_file():
         hint = "" if model is not None else " (the shipped model; pass --model PATH or set $TIM_ENHANCER_MODEL)"
         raise CheckpointError(f"model file not found: {path}{hint}")
-    settings = Settings.build(model=path, device=device, workers=workers, max_streams=max_streams, api_key=api_key,
-                              **limits)
+    try:
+        settings = Settings.build(model=path, device=device, workers=workers, max_streams=max_streams,
+                                  api_key=api_key, **limits)
+    except ValueError as e:  # an invalid setting, named: `enhancer serve` prints it without a traceback
+        raise StartupError(str(e)) from None
     serve(create_app(settings), settings, host, port)
 
 

@@ -40,6 +40,12 @@ def add_serve(sub) -> argparse.ArgumentParser:
     s.add_argument("--agent-port", type=int, default=None, help="TCP port of the HAProxy agent-check (free "
                    "capacity as a weight; default: $TIM_ENHANCER_AGENT_PORT, else none)")
     s.add_argument("--api-key", default=None, help="require this key (default: $TIM_ENHANCER_API_KEY if set)")
+    s.add_argument("--api-keys", default=None, metavar="FILE", help="TOML or JSON file of named keys, each with its "
+                   "own limits; re-read on SIGHUP and POST /v1/admin/reload (default: $TIM_ENHANCER_API_KEYS_FILE; "
+                   "server/README.md, API keys)")
+    s.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve https and wss with this certificate "
+                   "(chain first); needs --ssl-keyfile")
+    s.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
     s.add_argument("--step-server", default=None, metavar="ADDRESS", help="run the model in the step server at this "
                    "Unix socket (`enhancer step-server`), shared with other serve processes: one GPU for several "
                    "front-ends (server/README.md, Serving on a GPU)")
@@ -65,7 +71,8 @@ def cmd_serve(a) -> int:
             api_key=a.api_key, capacity=a.capacity, capacity_margin=a.capacity_margin, loop_ms=a.loop_ms,
             drain_timeout_s=a.drain_timeout_s, agent_port=a.agent_port, step_server=a.step_server,
             max_batch_wait_ms=a.max_batch_wait_ms, step_key=step_key, full_steps=bool(a.full_steps),
-            device_pool=bool(a.device_pool))
+            device_pool=bool(a.device_pool), api_keys_file=a.api_keys, ssl_certfile=a.ssl_certfile,
+            ssl_keyfile=a.ssl_keyfile)
     except ModuleNotFoundError as e:  # installed without the [serve] extra
         raise EnhancerError(f"`enhancer serve` needs the service's dependencies: pip install "
                             f"'tim-enhancer[cpu,serve]' ({e})") from None

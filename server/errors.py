@@ -39,10 +39,12 @@ class ErrorKind(StrEnum):
     NOT_FOUND = "not_found"  # no such route or file
     METHOD_NOT_ALLOWED = "method_not_allowed"
     IDLE_TIMEOUT = "idle_timeout"  # no message within the idle timeout
-    RATE_LIMITED = "rate_limited"  # websocket messages faster than the message-rate limit
+    RATE_LIMITED = "rate_limited"  # websocket messages faster than the message-rate limit; REST requests over a key's rate
+    KEY_LIMIT = "key_limit"  # an API key holds its limit of live streams (server.api.keys)
     OVER_CAPACITY = "over_capacity"  # all streams / jobs / lanes busy
     SHUTTING_DOWN = "shutting_down"  # the server is draining for a restart: reconnect
     CLIENT_CLOSED = "client_closed"  # the client went away mid-request (nobody sees the answer)
+    INVALID_KEY_FILE = "invalid_key_file"  # POST /v1/admin/reload: the key file is malformed (the old keys stay)
     INTERNAL = "internal"  # a bug or a failed inference step
 
 
@@ -61,9 +63,11 @@ KINDS: dict[ErrorKind, tuple[int, int]] = {
     ErrorKind.METHOD_NOT_ALLOWED: (405, 1008),
     ErrorKind.IDLE_TIMEOUT: (408, 1008),
     ErrorKind.RATE_LIMITED: (429, 1008),
+    ErrorKind.KEY_LIMIT: (429, 1013),
     ErrorKind.OVER_CAPACITY: (503, 1013),
     ErrorKind.SHUTTING_DOWN: (503, 1012),
     ErrorKind.CLIENT_CLOSED: (499, 1001),
+    ErrorKind.INVALID_KEY_FILE: (422, 1011),
     ErrorKind.INTERNAL: (500, 1011),
 }
 

@@ -65,6 +65,23 @@ class Metrics:
         self.skipped_hops = Counter("tim_skipped_hops", "Live hops skipped (output zeros) because their stream was "
                                     "later than max_lateness_ms", registry=r)
         self.gaps = Counter("tim_gaps", "Backlogs skipped (each one a 'gap' message to its client)", registry=r)
+        # per API key (server.api.keys), labelled by the key's name in the key file, never by the key
+        self.api_keys = Gauge("tim_api_keys", "API key names in force (0: no authentication)", registry=r)
+        self.key_active_streams = Gauge("tim_key_active_streams", "Open websocket streams per API key", ["key_name"],
+                                        registry=r)
+        self.key_streams = Counter("tim_key_streams", "Websocket streams opened per API key (past its own limit)",
+                                   ["key_name"], registry=r)
+        self.key_requests = Counter("tim_key_requests", "POST /v1/enhance requests per API key, by status",
+                                    ["key_name", "status"], registry=r)
+        self.key_audio = Counter("tim_key_audio_seconds", "Audio per API key: received on streams, enhanced in "
+                                 "uploads", ["key_name", "source"], registry=r)
+        self.key_refused = Counter("tim_key_refused", "Refusals per API key, by reason: streams, requests, "
+                                   "upload_length (its own limits), capacity (the server's)", ["key_name", "reason"],
+                                   registry=r)
+        self.key_reloads = Counter("tim_key_reloads", "Key file reloads (SIGHUP, POST /v1/admin/reload), by result",
+                                   ["result"], registry=r)
+        for result in ("ok", "error"):
+            self.key_reloads.labels(result=result)
         for source in Source:
             self.refused.labels(source=source)
             self.frames.labels(source=source)

@@ -1,5 +1,6 @@
 """Running the app under uvicorn: start-up errors in plain words, protocols that drop stalled
-clients, the HAProxy agent port, and a graceful drain on SIGTERM / SIGINT.
+clients, TLS when a certificate is given, the HAProxy agent port, the key file re-read on SIGHUP
+(`server.api.admin`), and a graceful drain on SIGTERM / SIGINT.
 
 Shutdown order: the signal -> draining at once (`server.drain.begin`: /readyz 503, agent `drain`,
 new streams and uploads refused, still listening, /healthz 200) -> `Server.shutdown`: streams run
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 
 import uvicorn
 
@@ -51,7 +53,31 @@ def uvicorn_config(app, settings: Settings, host: str = "127.0.0.1", port: int =
                    log_level="info", ws_per_message_deflate=False, log_config=log_config(),
                    timeout_graceful_shutdown=settings.drain_timeout_s, proxy_headers=False, server_header=False,
                    **protocol_classes(settings.idle_timeout_s, on_stall, settings.max_message_bytes, on_too_large))
+    if settings.ssl_certfile is not None:  # https and wss; the agent port stays plain TCP (HAProxy reads it so)
+        options |= dict(ssl_certfile=str(settings.ssl_certfile), ssl_keyfile=str(settings.ssl_keyfile))
     return uvicorn.Config(app, **(options | kwargs))
+
+
+def check_tls(settings: Settings) -> None:
+    """StartupError unless the certificate and its key load (uvicorn would fail later, with a traceback)."""
+    cert, key = settings.ssl_certfile, settings.ssl_keyfile
+    if cert is None:
+        return
+    why = None
+    try:
+        for path, marker, what in ((cert, "-----BEGIN CERTIFICATE-----", "no PEM certificate"),
+                                   (key, "PRIVATE KEY-----", "no PEM private key")):
+            if marker not in path.read_text(errors="replace"):
+                why = f"{path.name} holds {what}"
+                break
+        else:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        why = "the key is not the certificate's" if e.reason == "KEY_VALUES_MISMATCH" else str(e)
+    except OSError as e:
+        why = (e.strerror or str(e)).lower()
+    if why is not None:
+        raise StartupError(f"cannot load the TLS certificate {cert} with the key {key}: {why}")
 
 
 class Server(uvicorn.Server):
@@ -86,10 +112,17 @@ class Server(uvicorn.Server):
             self.agent = Agent(self.app, self.agent_sock, self.config.host, settings.agent_port or 0)
             await self.agent.start()
         if self.started:
+            from server.api.admin import install_sighup
+
+            keys = self.app.state.keys
+            if install_sighup(self.app) and keys.file is not None:  # the key file is re-read on SIGHUP (main thread)
+                log.info("API keys: %d name(s) from %s (%s); SIGHUP or POST /v1/admin/reload reads it again",
+                         len(keys.ring.keys), keys.file, ", ".join(keys.ring.names))
             scheduler = self.app.state.scheduler
             host = self.config.host
             port = sockets[0].getsockname()[1] if sockets else self.config.port
-            url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+            scheme = "https" if settings.ssl_certfile is not None else "http"
+            url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/"
             cap = scheduler.capacity
             log.info("ready: demo at %s; provider %s, %d worker(s), capacity %d live stream(s) (%s)", url,
                      scheduler.enhancer.provider, len(scheduler.workers), cap.streams,
@@ -118,6 +151,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(app, settings: Settings, host: str, port: int) -> None:
     """Start the inference workers, bind, serve until SIGTERM / SIGINT, drain, stop."""
+    check_tls(settings)
     scheduler = app.state.scheduler
     try:
         scheduler.start()  # model or device problems surface here as plain errors

@@ -14,6 +14,7 @@ from enhancer.devices import DEVICES
 from enhancer.signal import MAX_CHANNELS
 
 API_KEY_ENV = "TIM_ENHANCER_API_KEY"
+API_KEYS_FILE_ENV = "TIM_ENHANCER_API_KEYS_FILE"
 CORS_ENV = "TIM_ENHANCER_CORS_ORIGINS"
 DRAIN_ENV = "TIM_ENHANCER_DRAIN_TIMEOUT_S"
 AGENT_ENV = "TIM_ENHANCER_AGENT_PORT"
@@ -47,6 +48,12 @@ class Settings:
     lateness_budget_ms: float = 40.0  # a hop stepped later than this after it arrived: the client is told
     max_lateness_ms: float = 60.0  # a live stream later than this skips its backlog (a marked gap)
     api_key: str | None = None  # required on /v1/* when set (REST header, websocket header or query)
+    # TOML or JSON file of named API keys with their own limits (server.api.keyfile), re-read on SIGHUP and
+    # POST /v1/admin/reload; instead of api_key. Also $TIM_ENHANCER_API_KEYS_FILE
+    api_keys_file: Path | None = None
+    # TLS: serve https and wss with this certificate (PEM, chain first) and private key (PEM)
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; () = no CORS headers
     # REST limits
     max_upload_bytes: int = 200 * 1024 * 1024
@@ -83,8 +90,8 @@ class Settings:
 
     @classmethod
     def build(cls, **kwargs) -> Settings:
-        """Settings from keyword arguments; the API key, the step server's key, CORS origins, drain timeout and agent port may
-        come from the environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_STEP_KEY, $TIM_ENHANCER_CORS_ORIGINS (comma-separated),
+        """Settings from keyword arguments; the API key (or key file), the step server's key, CORS origins, drain timeout and
+        agent port may come from the environment ($TIM_ENHANCER_API_KEY, $TIM_ENHANCER_API_KEYS_FILE, $TIM_ENHANCER_STEP_KEY, $TIM_ENHANCER_CORS_ORIGINS (comma-separated),
         $TIM_ENHANCER_DRAIN_TIMEOUT_S, $TIM_ENHANCER_AGENT_PORT); a keyword argument wins."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
@@ -93,6 +100,8 @@ class Settings:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if "api_key" not in kwargs and os.environ.get(API_KEY_ENV):
             kwargs["api_key"] = os.environ[API_KEY_ENV]
+        if "api_keys_file" not in kwargs and os.environ.get(API_KEYS_FILE_ENV):
+            kwargs["api_keys_file"] = os.environ[API_KEYS_FILE_ENV]
         if "step_key" not in kwargs and os.environ.get(STEP_KEY_ENV):
             kwargs["step_key"] = os.environ[STEP_KEY_ENV]
         if "cors_origins" not in kwargs and os.environ.get(CORS_ENV):
@@ -107,8 +116,9 @@ class Settings:
             kwargs["cors_origins"] = tuple(o.strip() for o in kwargs["cors_origins"].split(",") if o.strip())
         elif "cors_origins" in kwargs:
             kwargs["cors_origins"] = tuple(kwargs["cors_origins"])
-        if "model" in kwargs:
-            kwargs["model"] = Path(kwargs["model"])
+        for name in ("model", "api_keys_file", "ssl_certfile", "ssl_keyfile"):
+            if name in kwargs and isinstance(kwargs[name], (str, os.PathLike)):
+                kwargs[name] = Path(kwargs[name])
         s = cls(**kwargs)
         s.validate()
         return s
@@ -159,6 +169,14 @@ class Settings:
             raise ValueError(f"capacity_follow must be true or false, got {self.capacity_follow!r}")
         if self.api_key is not None and not str(self.api_key).strip():
             raise ValueError("api_key is empty; omit it to disable authentication")
+        if self.api_key is not None and self.api_keys_file is not None:
+            raise ValueError(f"api_key and api_keys_file are both set: give one (the key file holds any number of keys; "
+                             f"unset ${API_KEY_ENV} or ${API_KEYS_FILE_ENV})")
+        for name in ("api_keys_file", "ssl_certfile", "ssl_keyfile"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Path):
+                raise ValueError(f"{name} must be a path, got {getattr(self, name)!r}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both (TLS) or neither")
 
     @property
     def lanes_per_worker(self) -> int:
@@ -170,4 +188,4 @@ class Settings:
         """The limits a client may see (no secrets)."""
         keep = ("max_streams", "max_channels", "lateness_budget_ms", "max_lateness_ms", "max_upload_bytes", "max_duration_s", "max_message_bytes",
                 "max_messages_per_s", "max_stream_s", "idle_timeout_s")
-        return {k: getattr(self, k) for k in keep} | {"auth": self.api_key is not None}
+        return {k: getattr(self, k) for k in keep} | {"auth": self.api_key is not None or self.api_keys_file is not None}

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tls import certificate, haproxy_crt, with_certificate
+
 yaml = pytest.importorskip("yaml")
 kv = pytest.importorskip("kubernetes_validate")
 
@@ -177,7 +179,7 @@ def test_every_manifest_is_valid(version, rendered):
             pytest.fail(f"{where}: {doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
         checked.add(doc["kind"])
     assert checked >= {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-                       "ConfigMap"}
+                       "ConfigMap", "Ingress"}
 
 
 # --- what must agree -------------------------------------------------------------------------
@@ -214,6 +216,34 @@ def test_ports_and_services(rendered):
     assert one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"] == selector
     annotations = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == ports["http"] and annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_ingress_terminates_tls_for_streams_and_uploads(rendered):
+    """https and wss at the edge of the cluster: every host of the Ingress is covered by its TLS
+    Secret, plain http is redirected, the backend is the Service's http port, and the controller's
+    limits let a live stream stay open and an upload of max_upload_bytes through unbuffered."""
+    from server.settings import Settings
+
+    for name in ("base", "gpu", "keda"):
+        docs = rendered[name]
+        ing = one(docs, "Ingress")
+        spec, notes = ing["spec"], ing["metadata"]["annotations"]
+        hosts = {r["host"] for r in spec["rules"]}
+        assert hosts and hosts <= {h for t in spec["tls"] for h in t["hosts"]}
+        assert all(t["secretName"] for t in spec["tls"])
+        service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == NAME)
+        for rule in spec["rules"]:
+            (path,) = rule["http"]["paths"]
+            assert (path["path"], path["pathType"]) == ("/", "Prefix")
+            backend = path["backend"]["service"]
+            assert backend["name"] == NAME and backend["port"]["name"] in {p["name"] for p in service["spec"]["ports"]}
+        prefix = "nginx.ingress.kubernetes.io/"
+        assert notes[prefix + "ssl-redirect"] == notes[prefix + "force-ssl-redirect"] == "true"
+        assert notes[prefix + "proxy-request-buffering"] == "off"
+        size = notes[prefix + "proxy-body-size"]
+        assert size.endswith("m") and int(size[:-1]) * 2**20 >= Settings().max_upload_bytes
+        for timeout in ("proxy-read-timeout", "proxy-send-timeout"):  # seconds: an hour's stream, a long upload
+            assert int(notes[prefix + timeout]) >= 3600
 
 
 def test_workers_follow_the_cpu_limit(rendered):
@@ -318,14 +348,30 @@ def test_haproxy_config_is_websocket_and_readiness_aware():
     assert all("no-agent-check" in s for s in spill) and "option redispatch" in lines
 
 
+def test_haproxy_terminates_tls():
+    """https and wss at the edge: a TLS bind with a certificate, TLS 1.2 at least, HTTP/1.1 (which
+    websockets upgrade from), the scheme passed on, HSTS on TLS answers; plain HTTP stays for the
+    network inside (tests/server/test_tls.py streams and uploads through it)."""
+    text = HAPROXY_CFG.read_text()
+    lines = [ln.split("#")[0].strip() for ln in text.splitlines()]
+    tls = [ln for ln in lines if ln.startswith("bind ") and " ssl " in f"{ln} "]
+    assert len(tls) == 1 and haproxy_crt(text).endswith(".pem") and "alpn http/1.1" in tls[0], tls
+    assert any(ln.startswith("ssl-default-bind-options") and "ssl-min-ver TLSv1.2" in ln for ln in lines)
+    assert "http-request set-header X-Forwarded-Proto https if { ssl_fc }" in lines
+    assert any(ln.startswith("http-response set-header Strict-Transport-Security") and ln.endswith("if { ssl_fc }")
+               for ln in lines)
+
+
 def test_haproxy_accepts_the_config(tmp_path):
     haproxy = shutil.which("haproxy")
     if haproxy is None:
         pytest.skip("haproxy not installed")
-    out = subprocess.run([haproxy, "-c", "-f", str(HAPROXY_CFG)], capture_output=True, text=True, timeout=60)
+    text = with_certificate(HAPROXY_CFG.read_text(), certificate(tmp_path / "tls").pem)  # a certificate to load
+    (tmp_path / "haproxy.cfg").write_text(text)
+    out = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     # the Kubernetes variant from its comments: server-template through the cluster DNS
-    text = HAPROXY_CFG.read_text()
     templates = re.findall(r"#\s+(server-template .*)", text)
     assert len(templates) == 2 and "backup" in templates[1]
     resolvers = re.search(r"#\s+(resolvers k8s\n(?:\s*#\s{5,}.*\n)+)", text).group(1)
@@ -387,7 +433,7 @@ def test_haproxy_sends_new_connections_to_free_capacity(tmp_path):
     replicas = [Replica("free", 200, b"75% ready up\n"), Replica("full", 200, b"0% ready up\n"),
                 Replica("draining", 200, b"drain\n"), Replica("unready", 503, b"100% ready up\n")]
     front, stats = free_port(), free_port()
-    cfg = HAPROXY_CFG.read_text()
+    cfg = with_certificate(HAPROXY_CFG.read_text(), certificate(tmp_path / "tls").pem, f"127.0.0.1:{free_port()}")
     cfg = re.sub(r"maxconn \d+", "maxconn 256", cfg)  # within this machine's open-file limit
     cfg = cfg.replace("bind :8000", f"bind 127.0.0.1:{front}").replace("bind 127.0.0.1:8404", f"bind 127.0.0.1:{stats}")
     servers = "".join(f"\n    server {r.name} 127.0.0.1:{r.port} agent-port {r.agent_port}" for r in replicas)

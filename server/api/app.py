@@ -17,8 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import enhancer
 from enhancer.errors import EnhancerError
-from server.api import rest, ws
+from server.api import admin, rest, ws
 from server.api.auth import QUERY, ApiKeyMiddleware
+from server.api.keys import Keys
 from server.errors import ErrorKind, ServiceError, from_core
 from server.metrics import Metrics
 from server.scheduling.scheduler import Scheduler
@@ -40,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The app for `settings`; inference workers start with the app's lifespan."""
     settings = settings or Settings.build()
     metrics = Metrics()
+    keys = Keys(settings, metrics)  # a malformed key file stops the start here (KeyFileError, naming the line)
     scheduler = Scheduler(settings, metrics)
 
     @asynccontextmanager
@@ -64,13 +66,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="tim-enhancer", version=enhancer.__version__, description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
-    app.state.settings, app.state.metrics, app.state.scheduler = settings, metrics, scheduler
+    app.state.settings, app.state.metrics, app.state.scheduler, app.state.keys = settings, metrics, scheduler, keys
     app.state.sessions = set()  # open websocket streams (StreamSession)
     app.state.draining = False  # set on SIGTERM (server.drain): /readyz 503, new streams and uploads refused
     app.state.uploads = 0  # POST /v1/enhance requests in flight (RestMetricsMiddleware): the drain waits for them
     # middleware: the last added runs first. Metrics see every answer; CORS answers preflights and
     # decorates errors; the API key is checked before any route runs.
-    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, metrics=metrics)
+    app.add_middleware(ApiKeyMiddleware, keys=keys)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "X-API-Key"],
@@ -79,6 +81,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _add_error_handlers(app, metrics)
     app.include_router(rest.router)
     app.include_router(ws.router)
+    if keys.file is not None:  # POST /v1/admin/reload: only where there is a key file to read again
+        app.include_router(admin.router)
     _add_operations(app, metrics)
     _add_demo(app)
     return app
@@ -88,7 +92,8 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, e: ServiceError, headers: dict | None = None):
         metrics.errors.labels(kind=e.kind).inc()
-        if e.kind in (ErrorKind.OVER_CAPACITY, ErrorKind.SHUTTING_DOWN):
+        request.app.state.keys.note_error(request.scope, e)  # refusals per API key
+        if e.retry_after_s is not None or e.kind in (ErrorKind.OVER_CAPACITY, ErrorKind.SHUTTING_DOWN):
             retry = e.retry_after_s if e.retry_after_s is not None else 1
             headers = (headers or {}) | {"Retry-After": str(max(1, int(-(-retry // 1))))}
         return JSONResponse(e.rest_body(), status_code=e.status, headers=headers)
@@ -172,7 +177,7 @@ def _add_demo(app: FastAPI) -> None:
         """Swagger UI; with ?api_key= (checked by the middleware) it fetches the schema with it."""
         url = app.openapi_url
         key = request.query_params.get(QUERY)
-        if key and request.app.state.settings.api_key:
+        if key and request.app.state.keys.required:
             url += "?" + urlencode({QUERY: key})
         return get_swagger_ui_html(openapi_url=url, title="tim-enhancer API")
 

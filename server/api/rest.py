@@ -21,6 +21,7 @@ from enhancer.audio_io import OUTPUT_FORMATS as FORMATS
 from enhancer.audio_io import AudioReader, AudioWriter, output_format
 from server.api.aio import timeout as _timeout
 from server.api.auth import require_api_key
+from server.api.keys import upload_too_long
 from server.errors import ErrorKind, ServiceError
 from server.messages import Source
 
@@ -75,9 +76,11 @@ RESPONSES = {
     400: _error("Empty body or malformed request"),
     401: _error("API key missing"),
     403: _error("API key wrong"),
-    413: _error("Upload over the byte limit, or audio over the duration limit"),
+    413: _error("Upload over the byte limit, or audio over the duration limit (the server's, or the API key's "
+                "max_upload_s)"),
     415: _error("Not an audio file that can be decoded, or an unsupported Content-Type"),
     422: _error("Invalid audio (truncated, absurd sample rate, NaN/Inf, too many channels) or parameter"),
+    429: _error("Over the API key's requests_per_minute; retry after Retry-After seconds"),
     503: _error("All enhancement slots are busy, or the live streams use all inference capacity; retry after "
                 "Retry-After seconds"),
 }
@@ -112,6 +115,7 @@ async def enhance(
     finally:
         upload.close()
     request.app.state.metrics.rest_seconds.observe(time.perf_counter() - t0)
+    request.app.state.keys.audio_counter(request.scope, Source.REST)(reader.read_frames / reader.info.sample_rate)
     size = out_file.seek(0, 2)  # encoders may seek back to finish their header: measure from the end
     out_file.seek(0)
     info = reader.info
@@ -124,8 +128,9 @@ async def enhance(
 async def _enhance_file(request: Request, upload, atten_lim_db, format, band: str = "full"):
     """Decode -> scheduler -> encode, block by block. Returns (spooled output, writer, reader)."""
     settings, scheduler = request.app.state.settings, request.app.state.scheduler
-    reader = _open(upload, settings.max_channels, settings.max_duration_s)
-    max_frames = int(settings.max_duration_s * reader.info.sample_rate)
+    limit_s, field = request.app.state.keys.upload_limit(request.scope, settings.max_duration_s)  # the key's may be lower
+    reader = _open(upload, settings.max_channels, limit_s, field)
+    max_frames = int(limit_s * reader.info.sample_rate)
     out_file = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
     writer = None
     try:
@@ -137,8 +142,7 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format, band: st
             block = max(1, int(settings.rest_chunk_s * info.sample_rate))
             while (x := await run_in_threadpool(reader.read, block)) is not None:
                 if reader.read_frames > max_frames:
-                    raise ServiceError(ErrorKind.TOO_LONG, f"the audio is longer than the limit of "
-                                       f"{settings.max_duration_s:g} s")
+                    raise upload_too_long(limit_s, field)
                 y = await job.process(x)
                 await run_in_threadpool(writer.write, _finite(y))
             writer.write(_finite(await job.finish()))
@@ -155,9 +159,9 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format, band: st
     return out_file, writer, reader
 
 
-def _open(upload, max_channels: int, max_duration_s: float) -> AudioReader:
+def _open(upload, max_channels: int, max_duration_s: float, field: str | None = None) -> AudioReader:
     """The core's reader of the upload (its errors are mapped by the app's handler), within the
-    service's limits on channels and duration."""
+    service's limits on channels and duration (`field`: the API key's, when it is the lower)."""
     reader = AudioReader(upload)
     info = reader.info
     if not 1 <= info.channels <= max_channels:
@@ -166,8 +170,7 @@ def _open(upload, max_channels: int, max_duration_s: float) -> AudioReader:
                            "are supported")
     if info.duration_s > max_duration_s:
         reader.close()
-        raise ServiceError(ErrorKind.TOO_LONG, f"the audio is {info.duration_s:.1f} s long; the limit is "
-                           f"{max_duration_s:g} s")
+        raise upload_too_long(max_duration_s, field, info.duration_s)
     return reader
 
 

@@ -56,9 +56,11 @@ async def stream(ws: WebSocket) -> None:
     await ws.accept()
     session = StreamSession(ws)
     ws.app.state.sessions.add(session)
+    keys, key = ws.app.state.keys, None
     try:
         if ws.app.state.draining:
             raise _Drain()
+        key = keys.open_stream(ws.scope)  # the API key's own limit of live streams (1013 key_limit)
         admission = ws.app.state.scheduler.admission
         if admission.live_full:  # refused at the handshake: no need to wait for the start message
             raise admission.over_capacity(Source.STREAM)
@@ -74,6 +76,7 @@ async def stream(ws: WebSocket) -> None:
         await session.fail(ServiceError(ErrorKind.INTERNAL, "internal error; the stream was closed"))
     finally:
         session.cleanup()
+        keys.close_stream(key)
         ws.app.state.sessions.discard(session)
         session.finished.set()
 
@@ -93,7 +96,9 @@ class StreamSession:
         self.samples_in = 0
         self.samples_out = 0
         self.draining = False
+        self.stop_error: ServiceError | None = None  # drain(error): close with it instead of 1012
         self.finished = asyncio.Event()
+        self.key_seconds = app.state.keys.audio_counter(ws.scope, Source.STREAM)
         self._deadline = None  # the idle timer of the receive in progress
         # message-rate limit: a token bucket refilled at max_messages_per_s, holding one second's worth
         self._tokens = self._burst = max(float(self.settings.max_messages_per_s), 1.0)
@@ -136,22 +141,23 @@ class StreamSession:
         """Samples pushed to the job and not yet acknowledged."""
         return self.job.buffered if self.job is not None else 0
 
-    def drain(self) -> None:
-        """Stop reading at the next message boundary (wakes a receive that is waiting)."""
-        self.draining = True
+    def drain(self, error: ServiceError | None = None) -> None:
+        """Stop reading at the next message boundary (wakes a receive that is waiting); then send the
+        tail and 1012, or with `error` (its API key was removed) that error and its close code."""
+        self.draining, self.stop_error = True, error or self.stop_error
         if self._deadline is not None:
             self._deadline.reschedule(asyncio.get_running_loop().time())
 
     async def _receive(self) -> dict:
         if self.draining:
-            raise _Drain()
+            raise self.stop_error or _Drain()
         try:
             async with _timeout(self.settings.idle_timeout_s) as deadline:  # a timer, not a task, per message
                 self._deadline = deadline
                 message = await self.ws.receive()
         except (asyncio.TimeoutError, TimeoutError):
             if self.draining:
-                raise _Drain() from None
+                raise (self.stop_error or _Drain()) from None
             raise ServiceError(ErrorKind.IDLE_TIMEOUT, f"no message for {self.settings.idle_timeout_s:g} s; "
                                "closing the stream") from None
         except (WebSocketDisconnect, RuntimeError):
@@ -204,6 +210,7 @@ class StreamSession:
             await self._wait_acknowledged()
         job.push(x)
         self.metrics.stream_seconds.inc(n / job.sample_rate)
+        self.key_seconds(n / job.sample_rate)
 
     async def _wait_acknowledged(self) -> None:
         waiter = asyncio.ensure_future(self.job.acknowledged.wait())
@@ -283,6 +290,7 @@ class StreamSession:
         if self.closing:
             return
         self.metrics.errors.labels(kind=err.kind).inc()
+        self.ws.app.state.keys.note_error(self.ws.scope, err)
         if self.writer is not None and self.writer is not asyncio.current_task():
             self.writer.cancel()  # one sender at a time: let the writer stop before the error goes out
             await asyncio.gather(self.writer, return_exceptions=True)

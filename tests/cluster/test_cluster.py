@@ -39,6 +39,7 @@ from websockets.exceptions import ConnectionClosed
 
 from enhancer.client import enhance_stream
 from tests.conftest import speechlike
+from tests.tls import certificate, with_certificate
 
 pytestmark = pytest.mark.cluster
 
@@ -117,6 +118,7 @@ class Balancer:
         cfg = re.sub(r"maxconn \d+", "maxconn 256", cfg)  # within this machine's open-file limit
         cfg = cfg.replace("bind :8000", f"bind 127.0.0.1:{self.port}")
         cfg = cfg.replace("bind 127.0.0.1:8404", f"bind 127.0.0.1:{self.stats}")
+        cfg = with_certificate(cfg, certificate(tmp / "tls").pem, f"127.0.0.1:{free_port()}")  # its TLS bind
         cfg = cfg.replace("log stdout format raw local0", "log stderr format raw local0 notice")
         for i, r in enumerate(replicas, 1):
             cfg = re.sub(rf"(\n[ \t]*server r{i} )127\.0\.0\.1:\d+ agent-port \d+",
