@@ -129,10 +129,7 @@ class StreamCursor:
         """The next input hop as (channels, hop), for `LanePool.step`."""
         hop = self.config.stft.hop
         x, self._pending = self._pending[:hop], self._pending[hop:]
-        x = np.ascontiguousarray(x.T)
-        if self._high is not None:
-            self._high.take(x[:, None])
-        return x
+        return np.ascontiguousarray(x.T)
 
     def take_hops(self, n: int) -> np.ndarray:
         """The next n input hops (n <= `ready_hops()`) as (channels, n, hop), for `LanePool.run`."""
@@ -140,10 +137,7 @@ class StreamCursor:
         if not 0 < n <= self.ready_hops():
             raise ValueError(f"take_hops({n}): {self.ready_hops()} hop(s) ready")
         x, self._pending = self._pending[:n * hop], self._pending[n * hop:]
-        x = np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
-        if self._high is not None:
-            self._high.take(x)
-        return x
+        return np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
 
     # ------------------------------------------------------------------ results
     def put_output(self, out: np.ndarray, competition=None, activity=None) -> None:

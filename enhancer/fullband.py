@@ -1,31 +1,34 @@
-"""Full band: the band above the model's 8 kHz, kept for input above 16 kHz (`HighBand`).
+"""Full band: the band above the model's 8 kHz, cleaned for input above 16 kHz (`HighBand`).
 
 The model runs at 16 kHz; its output, resampled back to the stream's rate, holds nothing above
-8 kHz. For a stream above 16 kHz the cursor keeps that upper band: the stream-rate input `x`, less
-the low band it holds, `up(down(x))`, built from the same downsampled signal the model steps on
-and upsampled by a second resampler of the same kind as the output's (so it has the enhanced low
-band's alignment, sample for sample):
+8 kHz. For a stream above 16 kHz the cursor adds the upper band back, cleaned: the stream-rate
+input `x`, less the low band it holds, `up(down(x))`, built from the same downsampled signal the
+model steps on and upsampled by a second resampler of the same kind as the output's (so it has the
+enhanced low band's alignment, sample for sample):
 
     high = x - up(down(x))
-    out  = up(enhanced) + g(t) * high
+    out  = up(enhanced) + clean(high)
 
-`g(t)` follows the model, one value per 16 ms output hop `j` (the model's output at 16 kHz,
-after its delay):
+`clean` is a short-time spectral gain on `high` at the stream's rate (a `FRAME_S` hop, windows of
+two hops, square-root Hann analysis and synthesis, which reconstruct exactly at unit gain), with
+one gain per band of an ERB-like scale from 8 kHz to the Nyquist frequency (`BandGains`),
+interpolated across bins:
 
-* the model's gain in its top bins: the energy ratio of the enhanced to the noisy signal in
-  6-7.6 kHz over the 32 ms window that ends with hop `j` (the noisy input is the model's own input
-  of the same samples, so this is the gain the model applied there), as an amplitude;
-* its speech activity (the step graph's `activity`: the mean gain over 300 Hz..4 kHz): below
-  `ACTIVITY_OFF` the hop is a pause and the upper band is closed, above `ACTIVITY_ON` it is open,
-  in between a linear ramp;
-* smoothed per hop (fast attack, slower release), never below the stream's gain floor
-  (`atten_lim_db`), and interpolated linearly per sample at the stream's rate (hop `j`'s value
-  is reached at its last sample).
+* the noise of each band is tracked by a recursive average that the model's speech probability
+  freezes while it hears speech, bounded below by the minimum of the band's smoothed level over
+  `MIN_WINDOW_S` (so a noise that rises during a long stretch of speech is followed);
+* each band's gain is a Wiener gain on a decision-directed a-priori SNR, at least `SPEECH_FLOOR`,
+  times the model's speech probability to the power `SPEECH_POWER`, so pauses are closed;
+* the speech probability per 16 ms output hop is the model's: its speech `activity` (the mean gain
+  over 300 Hz..4 kHz) between `ACTIVITY_OFF` and `ACTIVITY_ON`, times the enhanced low band's
+  presence above its own floor; smoothed with a fast attack and a slower release.
 
-Everything is causal and per hop: `g` for a sample is known as soon as the enhanced low band of
-that sample is, so there is no latency beyond the resamplers' and the model's, and the output
-does not depend on how the stream was chunked. A skipped hop (the service catching up) has zero
-output, so its gain is zero too.
+Never below the stream's gain floor (`atten_lim_db`). Everything is causal: the frame whose window
+starts at sample s takes the model's speech probability at s, which is known as soon as the
+enhanced low band at s is; its window reaches two hops past s, which the input holds long before
+the model's delay has passed, so no sample waits longer than the low band does. The output does not
+depend on how the stream was chunked. A skipped hop (the service catching up) has zero output and a
+speech probability of zero.
 """
 from __future__ import annotations
 
@@ -38,20 +41,25 @@ from .signal import StreamResampler
 BANDS = ("full", "speech")
 DEFAULT_BAND = "full"  # above 16 kHz; at 16 kHz and below both bands give the same output
 
-TOP_BAND_HZ = (6000.0, 7600.0)  # the model's top bins whose gain the upper band follows
 ACTIVITY_OFF = 0.20  # speech activity at or below which a hop is a pause (upper band closed)
 ACTIVITY_ON = 0.45  # ... at or above which the upper band is fully open
 PRESENCE_HOPS = 125  # the enhanced low band's floor: the minimum of its smoothed level over ~2 s
 PRESENCE_DB = (10.0, 20.0)  # enhanced low band above that floor: closed at or below, fully open at or above
 PRESENCE_FLOOR = 1e-9  # the floor is never below -90 dB (re a full-scale sine's frame energy)
-NOISE_HOPS = 60  # the upper band's noise floor: the minimum of its smoothed level over ~1 s
-NOISE_SMOOTH = 0.7  # per hop: weight of the past in that smoothed level
-NOISE_BIAS = 2.0  # the minimum underestimates the mean noise level by about this factor
-OVER = 1.0  # noise subtraction factor of the upper band's own gain
-USE_TOP = False  # also let the model's top-bin gain open the upper band
-ATTACK = 0.6  # per hop: share of a rise in gain taken at once
-RELEASE = 0.35  # per hop: share of a fall in gain taken at once
-_EPS = 1e-10  # energy floor of the noisy top band (a silent hop has gain 1 x activity)
+LEVEL_SMOOTH = 0.7  # per model hop: weight of the past in the low band's smoothed level
+ATTACK = 0.7  # per frame: share of a rise in speech probability taken at once
+RELEASE = 0.25  # per frame: share of a fall taken at once
+
+FRAME_S = 0.010  # the upper band's frame hop (windows of two hops)
+LOW_HZ = 8000.0  # the upper band's lower edge
+BAND_ERB = 1.25  # band width on the ERB-rate scale (8 bands from 8 to 24 kHz)
+NOISE_SMOOTH = 0.9  # per frame in a pause: weight of the past in the noise estimate
+MIN_WINDOW_S = 1.5  # the minimum of the smoothed level over this long bounds the noise estimate below
+MIN_BIAS = 1.5  # the minimum underestimates the mean noise level by about this factor
+DD = 0.9  # decision-directed a-priori SNR: weight of the last frame's clean estimate
+SPEECH_FLOOR = 0.316  # a band's least gain while the model hears speech (-10 dB)
+SPEECH_POWER = 0.5  # the gain scales with the speech probability to this power
+_EPS = 1e-20
 
 
 def check_band(band) -> str:
@@ -66,16 +74,89 @@ def uses_high_band(band: str, sample_rate: int, model_rate: int) -> bool:
     return band == "full" and sample_rate > model_rate
 
 
-def _periodic_hann(n: int) -> np.ndarray:
-    return (0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n) / n)).astype(np.float64)
+def _erb_rate(f):
+    return 21.4 * np.log10(1.0 + 0.00437 * np.asarray(f, np.float64))
+
+
+def _erb_hz(e):
+    return (10.0 ** (np.asarray(e, np.float64) / 21.4) - 1.0) / 0.00437
+
+
+def band_edges(sample_rate: int) -> np.ndarray:
+    """The upper band's band edges in Hz, from LOW_HZ to the Nyquist frequency, about BAND_ERB
+    wide on the ERB-rate scale (at least one band)."""
+    lo, hi = _erb_rate(LOW_HZ), _erb_rate(sample_rate / 2)
+    k = max(1, int(round((hi - lo) / BAND_ERB)))
+    return _erb_hz(np.linspace(lo, hi, k + 1))
+
+
+class BandGains:
+    """Per-band noise tracking and gains of one stream's upper band, frame by frame.
+
+    `step(power, speech)`: the frame's power spectrum (channels, bins) and the model's speech
+    probability (channels,) -> the gain per bin (channels, bins)."""
+
+    def __init__(self, sample_rate: int, n_fft: int, hop: int, channels: int):
+        f = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
+        edges = band_edges(sample_rate)
+        self.k = len(edges) - 1
+        idx = np.clip(np.searchsorted(edges, f, side="right") - 1, 0, self.k - 1)
+        self._member = np.zeros((self.k, len(f)), np.float64)  # band averaging (bins below 8 kHz: none)
+        inside = f >= edges[0]
+        self._member[idx[inside], np.flatnonzero(inside)] = 1.0
+        self._member /= np.maximum(self._member.sum(1, keepdims=True), 1.0)
+        centers = _erb_rate(0.5 * (edges[:-1] + edges[1:]))
+        self._interp = np.zeros((len(f), self.k), np.float64)  # band gains -> bin gains, linear in ERB rate
+        e = _erb_rate(f)
+        for i, x in enumerate(e):
+            if self.k == 1 or x <= centers[0]:
+                self._interp[i, 0] = 1.0
+            elif x >= centers[-1]:
+                self._interp[i, -1] = 1.0
+            else:
+                j = int(np.searchsorted(centers, x)) - 1
+                w = (x - centers[j]) / (centers[j + 1] - centers[j])
+                self._interp[i, j], self._interp[i, j + 1] = 1.0 - w, w
+        self.min_frames = max(1, int(round(MIN_WINDOW_S * sample_rate / hop)))
+        c = channels
+        self.frames = 0
+        self.noise = np.zeros((c, self.k))
+        self.smooth = np.zeros((c, self.k))
+        self.history: list[np.ndarray] = []  # the smoothed level of the last `min_frames` frames
+        self.clean = np.zeros((c, self.k))  # the last frame's clean power estimate (G^2 P)
+
+    def step(self, power: np.ndarray, speech: np.ndarray) -> np.ndarray:
+        p = power @ self._member.T  # (c, k) mean power per band
+        s = speech[:, None]
+        if self.frames == 0:
+            self.noise, self.smooth = p.copy(), p.copy()
+        else:
+            a = NOISE_SMOOTH + (1.0 - NOISE_SMOOTH) * s  # frozen while the model hears speech
+            self.noise = a * self.noise + (1.0 - a) * p
+            self.smooth = 0.7 * self.smooth + 0.3 * p
+        self.frames += 1
+        self.history.append(self.smooth)
+        if len(self.history) > self.min_frames:
+            self.history.pop(0)
+        floor = MIN_BIAS * np.min(self.history, axis=0)
+        self.noise = np.maximum(np.minimum(self.noise, self.smooth * 4.0), np.minimum(floor, self.smooth))
+        n = np.maximum(self.noise, _EPS)
+        post = p / n
+        prior = DD * self.clean / n + (1.0 - DD) * np.maximum(post - 1.0, 0.0)
+        g = np.maximum(prior / (1.0 + prior), SPEECH_FLOOR) * s ** SPEECH_POWER
+        self.clean = g * g * p
+        return g @ self._interp.T
+
+def _sqrt_hann(n: int) -> np.ndarray:
+    return np.sqrt(0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n) / n))
 
 
 class HighBand:
-    """One stream's upper band: its buffers, the reference resampler, and the per-hop gain.
+    """One stream's upper band: its buffers, the reference resampler, and its cleaning.
 
     The cursor hands it the stream's input (`push`), the hops going to the model (`take`), the
     model's results (`put`) and the enhanced low band at the stream's rate (`apply`, `finish`),
-    which it returns with the gained upper band added, as far as the gains are known."""
+    which it returns with the cleaned upper band added, as far as that is known."""
 
     def __init__(self, config: ModelConfig, sample_rate: int, channels: int, min_gain: float = 0.0):
         st = config.stft
@@ -85,40 +166,34 @@ class HighBand:
         self.lookahead_hops = config.delay_samples // st.hop  # output hop j comes out of step j + this
         self.min_gain = float(min_gain)
         c = channels
+        # the frame hop: FRAME_S, or less where the model's delay is shorter than two of them
+        delay = config.delay_samples * sample_rate // st.sample_rate
+        self.fhop = max(16, min(int(FRAME_S * sample_rate), (delay - int(0.004 * sample_rate)) // 2))
+        self._window = _sqrt_hann(2 * self.fhop)
+        self._gains = BandGains(sample_rate, 2 * self.fhop, self.fhop, c)
         self._rs_ref = StreamResampler(self.model_rate, sample_rate, c)
         self._x = np.zeros((0, c), np.float32)  # stream-rate input not yet in `_h`
         self._r = np.zeros((0, c), np.float32)  # up(down(x)) not yet in `_h`
         self._h = np.zeros((0, c), np.float32)  # the upper band x - up(down(x)) from sample `_h0` on
         self._h0 = 0
         self._drained = False  # the reference resampler has been drained: `_h` is complete
+        self._ended = False  # finish() has been called: no model result follows
         self._y = np.zeros((0, c), np.float32)  # enhanced low band from sample `_out0` on, held
         self._out0 = 0  # the next output sample
-        self._noisy: list[np.ndarray] = []  # model-rate input hops (channels, hop), hop `_noisy0` first
-        self._noisy0 = 0
+        self._syn = np.zeros((0, c), np.float64)  # the cleaned upper band from `_out0` on (overlap-add)
+        self._frame = 0  # the next frame: its window covers [(f - 1) fhop, (f + 1) fhop)
+        self._speech: list[np.ndarray] = []  # per output hop from `_s0` on: speech probability (c,)
+        self._s0 = 0
+        self._known = 0  # output hops whose speech probability is known
+        self._p = np.zeros(c, np.float64)  # the smoothed speech probability
         self._steps = 0  # model steps put so far
-        self._prev_out = np.zeros((c, st.hop), np.float32)  # the last step's output hop
-        self._model: list[np.ndarray] = []  # per output hop from `_next` on: (top-bin gain, speech) (2, c)
-        self._next = 0  # the next output hop whose gain is to be computed
-        self._level = np.zeros(c, np.float64)  # smoothed upper-band level
         self._lb_level = np.zeros(c, np.float64)  # smoothed enhanced low-band level
         self._lb_levels: list[np.ndarray] = []  # its last PRESENCE_HOPS values
-        self._levels: list[np.ndarray] = []  # its last NOISE_HOPS values
-        self._state = np.zeros(c, np.float64)  # the smoothed gain
-        self._gains: list[np.ndarray] = []  # per output hop (channels,), hop `_g0` first
-        self._g0 = 0
-        self._g_before = np.zeros(c, np.float64)  # the gain of hop `_g0 - 1`
-        self._window = _periodic_hann(2 * st.hop)
-        f = np.fft.rfftfreq(2 * st.hop, 1.0 / st.sample_rate)
-        self._top = (f >= TOP_BAND_HZ[0]) & (f <= TOP_BAND_HZ[1])
 
     @property
     def held(self) -> int:
-        """Enhanced low-band samples held until their gain is known."""
+        """Enhanced low-band samples held until their upper band is known."""
         return len(self._y)
-
-    def _at(self, t: int) -> int:
-        """The stream sample at model-rate sample t (rounded up)."""
-        return -(-t * self.rate // self.model_rate)
 
     # ------------------------------------------------------------------ input
     def push(self, x: np.ndarray, down: np.ndarray, last: bool = False) -> None:
@@ -136,102 +211,101 @@ class HighBand:
         if last:  # the input past the reference's end has no upper band
             self._drained = True
 
-    def take(self, hops: np.ndarray) -> None:
-        """Model-rate input hops (channels, n, hop) as they go to the model (or are skipped)."""
-        self._noisy.extend(np.ascontiguousarray(hops[:, t]) for t in range(hops.shape[1]))
-
     # ------------------------------------------------------------------ the model's result
     def put(self, out: np.ndarray, activity: np.ndarray | None) -> None:
         """The model's output hops (channels, n, hop) of the next n steps and their activity
         (channels, n) (None: not known, taken as speech)."""
-        n, la, hop, c = out.shape[1], self.lookahead_hops, self.hop, self.channels
-        prev = np.concatenate([self._prev_out[:, None], out], axis=1)  # (c, n + 1, hop)
-        self._prev_out = out[:, -1].copy()
+        n, la, hop = out.shape[1], self.lookahead_hops, self.hop
         first = self._steps
         self._steps += n
         ts = [t for t in range(n) if first + t >= la]  # steps whose output hop is audio, not delay
         if not ts:
             return
-        zeros = np.zeros((c, hop), np.float32)
-        noisy = np.stack([self._noisy_hop(first + t - la + k, zeros) for t in ts for k in (-1, 0)], axis=1)
-        enh = np.stack([prev[:, t + k] for t in ts for k in (0, 1)], axis=1)
-        e_frames = enh.reshape(c, len(ts), 2 * hop).astype(np.float64)
-        n_frames = noisy.reshape(c, len(ts), 2 * hop).astype(np.float64)
-        pe_all = np.abs(np.fft.rfft(e_frames * self._window, axis=-1)) ** 2
-        pe = pe_all[..., self._top].sum(-1)
-        enhanced_level = pe_all.mean(-1)  # (c, len(ts))
-        pn = (np.abs(np.fft.rfft(n_frames * self._window, axis=-1))[..., self._top] ** 2).sum(-1)
-        top_gain = np.minimum(np.sqrt((pe + _EPS) / (pn + _EPS)), 1.0)  # (c, len(ts))
+        enhanced_level = (out[:, ts].astype(np.float64) ** 2).mean(-1) * (2 * hop)  # (c, len(ts))
         if activity is None:
-            speech = np.ones_like(top_gain)
+            speech = np.ones(enhanced_level.shape)
         else:
             a = np.asarray(activity, np.float64)[:, ts]
             speech = np.clip((a - ACTIVITY_OFF) / (ACTIVITY_ON - ACTIVITY_OFF), 0.0, 1.0)
         for i in range(len(ts)):  # the enhanced low band against its own floor: is there speech at all?
             lv = enhanced_level[:, i]
-            self._lb_level = lv if first + ts[i] == la else NOISE_SMOOTH * self._lb_level + (1 - NOISE_SMOOTH) * lv
+            self._lb_level = lv if first + ts[i] == la else LEVEL_SMOOTH * self._lb_level + (1 - LEVEL_SMOOTH) * lv
             self._lb_levels.append(self._lb_level)
             if len(self._lb_levels) > PRESENCE_HOPS:
                 self._lb_levels.pop(0)
             floor = np.maximum(np.min(self._lb_levels, axis=0), PRESENCE_FLOOR * (2 * hop) / 4)
             db = 10.0 * np.log10(np.maximum(self._lb_level, 1e-30) / floor)
             presence = np.clip((db - PRESENCE_DB[0]) / (PRESENCE_DB[1] - PRESENCE_DB[0]), 0.0, 1.0)
-            self._model.append(np.stack([top_gain[:, i], speech[:, i] * presence]))
-        self._drop_noisy(first + n - la - 1)
+            self._speech.append(speech[:, i] * presence)
+            self._known += 1
 
-    def _noisy_hop(self, j: int, zeros: np.ndarray) -> np.ndarray:
-        return zeros if j < 0 else self._noisy[j - self._noisy0]
+    def _speech_at(self, sample: int) -> np.ndarray | None:
+        """The model's speech probability at stream sample `sample` (zero before the first output
+        hop, and past the last once the stream has ended); None while it is not known yet."""
+        if sample < 0:
+            return np.zeros(self.channels)
+        j = sample * self.model_rate // (self.rate * self.hop)
+        if j >= self._known:
+            return np.zeros(self.channels) if self._ended else None
+        return self._speech[j - self._s0]
 
-    def _drop_noisy(self, keep_from: int) -> None:
-        k = max(0, keep_from - self._noisy0)
-        if k:
-            del self._noisy[:k]
-            self._noisy0 += k
-
+    # ------------------------------------------------------------------ cleaning
     def _advance(self) -> None:
-        """The gains of every output hop whose model result and upper band are both there: hop
-        j's upper-band level is taken over model-rate samples [(j-1) hop, (j+1) hop)."""
-        hop = self.hop
-        while self._model:
-            j = self._next
-            a, b = max(self._at((j - 1) * hop), 0), self._at((j + 1) * hop)
-            if b > self._h0 + len(self._h) and not self._drained:
+        """Clean every frame whose window and speech probability are both there (at the end of the
+        stream: every frame the held output needs)."""
+        H = self.fhop
+        while True:
+            f = self._frame
+            start, end = (f - 1) * H, (f + 1) * H
+            if self._ended and self._final() >= self._out0 + len(self._y):
                 return
-            seg = self._h[a - self._h0:b - self._h0].astype(np.float64)
-            level = (seg ** 2).sum(0) / max(b - a, 1)
-            top_gain, speech = self._model.pop(0)
-            self._next += 1
-            self._level = level if j == 0 else NOISE_SMOOTH * self._level + (1 - NOISE_SMOOTH) * level
-            self._levels.append(self._level)
-            if len(self._levels) > NOISE_HOPS:
-                self._levels.pop(0)
-            noise = NOISE_BIAS * np.min(self._levels, axis=0)
-            own = np.sqrt(np.clip(1.0 - OVER * noise / np.maximum(level, 1e-20), 0.0, 1.0))
-            target = speech * (np.maximum(own, top_gain) if USE_TOP else own)
-            rate = np.where(target > self._state, ATTACK, RELEASE)
-            self._state = self._state + rate * (target - self._state)
-            self._gains.append(self._state.copy())
-            # keep the upper band from the next hop's window on, or from the next output sample
-            keep = min(max(self._at(j * hop), 0), self._out0)
+            if end > self._h0 + len(self._h) and not self._drained:
+                return
+            speech = self._speech_at(start)
+            if speech is None:
+                return
+            seg = np.zeros((2 * H, self.channels), np.float64)
+            a, b = max(start, self._h0), min(end, self._h0 + len(self._h))
+            if b > a:
+                seg[a - start:b - start] = self._h[a - self._h0:b - self._h0]
+            rate = np.where(speech > self._p, ATTACK, RELEASE)
+            self._p = self._p + rate * (speech - self._p)
+            spec = np.fft.rfft(seg.T * self._window, axis=-1)  # (c, bins)
+            g = np.maximum(self._gains.step(np.abs(spec) ** 2, self._p), self.min_gain)
+            y = np.fft.irfft(spec * g, 2 * H, axis=-1).T * self._window[:, None]  # (2H, c)
+            lo = max(start, self._out0)  # overlap-add into the output from `_out0` on
+            if end > lo:
+                need = end - self._out0
+                if len(self._syn) < need:
+                    self._syn = np.concatenate([self._syn, np.zeros((need - len(self._syn), self.channels))])
+                self._syn[lo - self._out0:end - self._out0] += y[lo - start:]
+            self._frame += 1
+            keep = f * H  # the next window starts here
             if keep > self._h0:
                 self._h = self._h[keep - self._h0:]
                 self._h0 = keep
+            drop = max(keep, 0) * self.model_rate // (self.rate * self.hop) - self._s0  # hops no window needs
+            if drop > 0:
+                del self._speech[:drop]
+                self._s0 += drop
+
+    def _final(self) -> int:
+        """Output samples whose upper band is complete: those of frames before the last one done."""
+        return max((self._frame - 1) * self.fhop, 0)
 
     # ------------------------------------------------------------------ output
     def apply(self, y: np.ndarray) -> np.ndarray:
         """Take the enhanced low band y (m, channels) of the next stream samples; return the
-        output samples whose gains are known (the low band plus the gained upper band)."""
+        output samples whose upper band is known (the low band plus the cleaned upper band)."""
         if len(y):
             self._y = np.concatenate([self._y, y])
         self._advance()
-        limit = -(-self._next * self.hop * self.rate // self.model_rate)  # first sample of hop `_next`
-        m = min(len(self._y), max(limit - self._out0, 0), self._h0 + len(self._h) - self._out0)
-        return self._emit(m)
+        return self._emit(min(len(self._y), self._final() - self._out0))
 
     def finish(self, y: np.ndarray, total: int) -> np.ndarray:
         """The end of the stream: the tail of the low band y, all held samples; `total` samples
         out (the low band padded with zeros or trimmed)."""
-        self._drained = True
+        self._drained = self._ended = True
         y = np.concatenate([self._y, y])[:total]
         if len(y) < total:
             y = np.concatenate([y, np.zeros((total - len(y), self.channels), np.float32)])
@@ -243,29 +317,9 @@ class HighBand:
         if m <= 0:
             return np.zeros((0, self.channels), np.float32)
         y, self._y = self._y[:m], self._y[m:]
-        i = self._out0 - self._h0
-        high = np.zeros((m, self.channels), np.float32)
-        avail = self._h[i:i + m]
-        high[:len(avail)] = avail  # past the reference's end (at most a sample or so): no upper band
-        g = self._gain_per_sample(self._out0, m)
+        high = np.zeros((m, self.channels), np.float64)
+        k = min(m, len(self._syn))
+        high[:k] = self._syn[:k]
+        self._syn = self._syn[k:]
         self._out0 += m
-        return (y + g * high).astype(np.float32, copy=False)
-
-    def _gain_per_sample(self, start: int, m: int) -> np.ndarray:
-        """(m, channels): hop j's gain at its last model-rate sample, linear in between."""
-        s = np.arange(start, start + m, dtype=np.int64)
-        num, den = s * self.model_rate, self.rate * self.hop
-        j = num // den
-        frac = ((num - j * den) / den)[:, None]
-        table = np.concatenate([self._g_before[None], *([np.stack(self._gains)] if self._gains else [])])
-        last = len(table) - 1
-        hi = np.clip(j - self._g0 + 1, 0, last)  # hop j (clamped: the tail past the last step)
-        lo = np.clip(j - self._g0, 0, last)  # hop j - 1
-        g = np.maximum(table[lo] * (1.0 - frac) + table[hi] * frac, self.min_gain)
-        nxt = ((start + m) * self.model_rate) // den  # the hop of the next sample: older gains go
-        drop = min(max(nxt - self._g0, 0), len(self._gains))
-        if drop:
-            self._g_before = self._gains[drop - 1]
-            del self._gains[:drop]
-            self._g0 += drop
-        return g.astype(np.float32)
+        return (y + high).astype(np.float32)
