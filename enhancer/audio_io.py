@@ -293,8 +293,8 @@ class AudioWriter:
 
 # ---------------------------------------------------------------------------------- file to file
 def enhance_file(enhancer, src: Path, dst: Path, atten_lim_db=None, progress: Callable[[int], None] | None = None,
-                 format: str | None = None, band: str = "full") -> dict:
-    """Enhance `src` into `dst` (`band`: see `Enhancer.stream`): the same rate and channels, the container named by `dst`'s
+                 format: str | None = None, band: str = "full", level: str = "model") -> dict:
+    """Enhance `src` into `dst` (`band`, `level`: see `Enhancer.stream`): the same rate and channels, the container named by `dst`'s
     extension (or `format`, which must agree with it; see `output_format_for_path`). Broken input
     (unreadable, truncated, NaN/Inf ...) is an `AudioError` with the service's message, prefixed by
     the file's name; nothing is left at `dst` then. Returns file facts."""
@@ -309,7 +309,7 @@ def enhance_file(enhancer, src: Path, dst: Path, atten_lim_db=None, progress: Ca
             fmt, subtype = output_format_for_path(dst, info, src, format)
         except OutputFormatError as e:
             raise OutputFormatError(f"{e} (input {src})") from None
-        stream = enhancer.stream(info.sample_rate, info.channels, atten_lim_db, band=band)
+        stream = enhancer.stream(info.sample_rate, info.channels, atten_lim_db, band=band, level=level)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".part")
         writer = None
