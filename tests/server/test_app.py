@@ -37,8 +37,9 @@ def test_openapi_describes_the_api(http):
     assert {"audio/wav", "audio/flac", "audio/ogg", "audio/mpeg", "multipart/form-data"} <= set(content)
     assert content["multipart/form-data"]["schema"]["required"] == ["file"]
     params = {p["name"]: p for p in op["parameters"]}
-    assert set(params) == {"atten_lim_db", "format", "band"} and all(p["in"] == "query" for p in params.values())
+    assert set(params) == {"atten_lim_db", "format", "band", "level"} and all(p["in"] == "query" for p in params.values())
     assert "full" in str(params["band"]) and "speech" in str(params["band"])
+    assert "model" in str(params["level"]) and "input" in str(params["level"])
     assert {"400", "401", "403", "413", "415", "422", "503"} <= set(op["responses"])
     assert "audio/wav" in op["responses"]["200"]["content"]
     assert "X-API-Key" in str(spec["components"]["securitySchemes"])
