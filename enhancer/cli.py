@@ -1,4 +1,4 @@
-"""`enhancer` command line: denoise, export, info, bench, and the sub-commands other installed
+"""`enhancer` command line: denoise, export, stream, info, bench, and the sub-commands other installed
 packages add through the entry point group `enhancer.commands` (the service's `serve`).
 
 An entry of that group is a function `add(subparsers)` that adds one sub-command whose parsed
@@ -284,6 +284,10 @@ def build_parser(env=None) -> argparse.ArgumentParser:
     from .build.command import add_export
 
     add_export(sub)
+
+    from .stream_command import add_stream
+
+    add_stream(sub)
 
     i = sub.add_parser("info", help="model, sample rate, latency, frame/hop, provider and version of a model")
     i.add_argument("model", nargs="?", default=None, help=f".onnx or checkpoint (default: ${MODEL_ENV}, else the "
