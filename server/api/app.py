@@ -160,6 +160,12 @@ def _add_demo(app: FastAPI) -> None:
     async def demo() -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
+    @app.get("/client.js", include_in_schema=False)
+    async def client_module() -> FileResponse:
+        """The browser module (an ES module): public, and importable by pages of any origin."""
+        return FileResponse(STATIC / "client.js", media_type="text/javascript",
+                            headers={"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"})
+
     @app.get("/static/{name}", include_in_schema=False)
     async def static(name: str) -> FileResponse:
         path = assets.get(name)

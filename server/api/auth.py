@@ -19,9 +19,10 @@ from server.errors import ErrorKind, ServiceError
 
 HEADER = "X-API-Key"
 QUERY = "api_key"
-# Open without a key: liveness and readiness probes, and the browser demo's page and assets (static
-# files of this package, no data; the page asks for the key and sends it with the websocket).
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/"})
+# Open without a key: liveness and readiness probes, the browser module /client.js and the browser
+# demo's page and assets (static files of this package, no data; the page asks for the key and
+# sends it with the websocket).
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/", "/client.js"})
 PUBLIC_PREFIXES = ("/static/",)
 
 api_key_header = APIKeyHeader(name=HEADER, auto_error=False, description="Required when the server has an API key")
