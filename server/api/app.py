@@ -155,10 +155,18 @@ def _add_demo(app: FastAPI) -> None:
     """The demo page and its assets: a fixed list of this package's files, looked up by name (no
     path from the client reaches the filesystem)."""
     assets = {p.name: p for p in STATIC.iterdir() if p.is_file() and p.name != "index.html"}
+    examples = {p.name: p for p in (STATIC / "examples").iterdir() if p.is_file()}  # tools/examples.py's
 
     @app.get("/", include_in_schema=False)
     async def demo() -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/examples/{name}", include_in_schema=False)
+    async def example(name: str) -> FileResponse:
+        path = examples.get(name)
+        if path is None:
+            raise ServiceError(ErrorKind.NOT_FOUND, "no such file")
+        return FileResponse(path, headers={"Cache-Control": "no-cache"})
 
     @app.get("/client.js", include_in_schema=False)
     async def client_module() -> FileResponse:

@@ -67,7 +67,7 @@ def request(srv, path, method, headers=None, query=""):
 # ---------------------------------------------------------------------------------- API key
 def test_public_routes_are_only_health_and_the_demo_files():
     public = sorted(p for p, _, _ in ROUTES if is_public(p.replace("{name}", "demo.js")))
-    assert public == ["/", "/client.js", "/healthz", "/readyz", "/static/{name}"]
+    assert public == ["/", "/client.js", "/healthz", "/readyz", "/static/examples/{name}", "/static/{name}"]
     assert {p for p, _, _ in PROTECTED} >= {"/v1/enhance", "/v1/stream", "/metrics", "/openapi.json", "/docs"}
 
 
