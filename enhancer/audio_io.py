@@ -193,6 +193,18 @@ def check_complete(read_frames: int, header_frames: int, fmt: str) -> None:
         raise EmptyAudioError("the audio file contains no samples")
 
 
+def check_file(src: Path) -> AudioInfo:
+    """`src` read through once (the client checks a file before it sends it): the reader's errors,
+    prefixed by the file's name as `enhancer denoise` says them. Its facts."""
+    try:
+        with AudioReader(src) as reader:
+            while reader.read(1 << 16) is not None:
+                pass
+            return reader.info
+    except AudioError as e:
+        raise type(e)(f"{src}: {e}") from None
+
+
 # ---------------------------------------------------------------------------------- files out
 def output_format(requested: str | None, info: AudioInfo) -> tuple[str, str]:
     """(major format, subtype) of the output: `requested` (a name of OUTPUT_FORMATS) or the input's;

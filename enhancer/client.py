@@ -21,7 +21,7 @@ dropping the output of that overlap, so the output is neither cut nor repeated a
 warmed up by then (`enhancer.client_stream`). Whatever the service refuses is a `ClientError` with
 its `kind` and message; bad local input (a truncated or unreadable file, NaN samples ...) raises
 the command line's own errors (`enhancer.audio_io.AudioReader`). The command line's `enhancer
-stream` (`enhancer.stream_command`) streams a file through it.
+stream IN -o OUT --url URL` (`enhancer.stream_command`) streams a file through it.
 """
 from __future__ import annotations
 
@@ -33,41 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio_io import MEDIA_TYPES, OUTPUT_FORMATS, AudioInfo, AudioReader, output_format_for_path
-from .errors import AudioError, EnhancerError
+from .audio_io import MEDIA_TYPES, OUTPUT_FORMATS, AudioInfo, check_file, output_format_for_path
+from .client_stream import Stream, stream_file
+from .errors import ClientError
+
+__all__ = ["DEFAULT_URL", "Client", "ClientError", "Stream", "enhance_stream", "urls"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 REST_PATH, STREAM_PATH = "/v1/enhance", "/v1/stream"
 OPTIONS = ("atten_lim_db", "band", "level")  # the enhancement options of REST and of the start message
 RETRIED = ("over_capacity", "shutting_down")  # REST answers (503) that are worth another try
 FACTS = {"sample_rate": "X-Sample-Rate", "channels": "X-Channels", "frames": "X-Frames"}  # of the enhanced file
-
-
-class ClientError(EnhancerError):
-    """What the service answered instead of enhanced audio, or why it could not be reached.
-
-    `kind`: the service's error kind (`over_capacity`, `invalid_audio`, `unauthorized` ...; see
-    server/README.md), or `unreachable` (no connection), `invalid_url`, `protocol` (an answer that
-    is not the service's); `status`: the HTTP status or the websocket close code, when there is one;
-    `retry_after_s`: the service's hint, when it gives one."""
-
-    def __init__(self, kind: str, message: str, status: int | None = None, retry_after_s: float | None = None,
-                 details: dict | None = None):
-        super().__init__(message)
-        self.kind, self.message, self.status = kind, message, status
-        self.retry_after_s, self.details = retry_after_s, dict(details or {})
-
-    def __str__(self) -> str:
-        return self.message if self.kind in self.message else f"{self.message} ({self.kind})"
-
-    @classmethod
-    def from_body(cls, status: int | None, body, retry_after_s: float | None = None) -> ClientError:
-        """The error of a REST body `{"error": {...}}` or a websocket message `{"type": "error", ...}`."""
-        e = body.get("error", body) if isinstance(body, dict) else None
-        if not isinstance(e, dict) or "kind" not in e:
-            return cls("protocol", f"the service answered {status} without its error message", status)
-        extra = {k: v for k, v in e.items() if k not in ("kind", "message", "type", "code", "retry_after_s")}
-        return cls(str(e["kind"]), str(e.get("message", "")), status, e.get("retry_after_s", retry_after_s), extra)
 
 
 def urls(url: str) -> tuple[str, str]:
@@ -93,18 +69,6 @@ def check_options(options: dict) -> dict:
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are {', '.join(OPTIONS)}")
     return {k: v for k, v in options.items() if v is not None}
-
-
-def check_file(src: Path) -> AudioInfo:
-    """`src` read through once with the command line's reader, before anything is sent: its errors
-    and messages (prefixed by the file's name, as `enhancer denoise` says them). Its facts."""
-    try:
-        with AudioReader(src) as reader:
-            while reader.read(1 << 16) is not None:
-                pass
-            return reader.info
-    except AudioError as e:
-        raise type(e)(f"{src}: {e}") from None
 
 
 def output_format_name(dst: Path, info: AudioInfo, src: Path, fmt: str | None) -> str | None:
@@ -211,8 +175,6 @@ class Client:
         shape convention; mono is (n,)), `end` when the input is over. `options`: `atten_lim_db`,
         `band`, `level`; `metadata=True` asks for the per-hop speech activity and competition
         (`on_message` gets every JSON message: ready, metadata, late, gap, end, error)."""
-        from .client_stream import Stream
-
         start = {"sample_rate": sample_rate, "encoding": "f32le", "channels": channels, "metadata": bool(metadata)}
         return Stream(self.ws_url, self.headers, start | check_options(options), on_message=on_message,
                       resume_overlap_s=resume_overlap_s, max_retries=self.max_retries, max_wait_s=self.max_wait_s)
@@ -222,8 +184,6 @@ class Client:
         """Stream the file `src` through the websocket as a live source would, `speed` times real
         time (0: as fast as the service takes it), and write the enhanced audio to `dst` (the
         container of its extension, or `format`, as `enhancer denoise`). Returns the file's facts."""
-        from .client_stream import stream_file
-
         return await stream_file(self, Path(src), Path(dst), speed=speed, chunk_ms=chunk_ms, format=format,
                                  on_message=on_message, options=check_options(options))
 
@@ -256,16 +216,3 @@ async def enhance_stream(audio: np.ndarray, sample_rate: int, url: str = DEFAULT
                 await asyncio.sleep(max(0.0, t0 + (i + step) / sample_rate / speed - loop.time()))
         y = await s.finish()
     return y.reshape(x.shape)
-
-
-def main(argv=None) -> int:
-    """`python -m enhancer.client IN -o OUT --url URL`: the same as `enhancer stream`."""
-    import sys
-
-    from .cli import main as cli_main
-
-    return cli_main(["stream", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

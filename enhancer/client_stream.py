@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio_io import AudioReader, AudioWriter, output_format_for_path
-from .client import ClientError, check_file
+from .audio_io import AudioReader, AudioWriter, check_file, output_format_for_path
+from .errors import AudioError, ClientError
 from .signal import check_audio
 
 RESUME = {1001, 1006, 1012}  # going away, connection lost, restarting: resume where the output stopped
@@ -90,8 +90,6 @@ class Stream:
         a = check_audio(a, "pcm")
         a = a[:, None] if a.ndim == 1 else a
         if a.shape[1] != self.channels:
-            from .errors import AudioError
-
             raise AudioError(f"pcm has {a.shape[1]} channel(s), the stream was opened with {self.channels}")
         self._held.append(np.ascontiguousarray(a, "<f4"))
         self.samples_in += len(a)

@@ -320,8 +320,8 @@ def test_enhancer_stream_writes_the_file(live, enhancer_rt, tmp_path):
     y, rate = sf.read(tmp_path / "clean.wav", dtype="float32")
     assert rate == SR and y.shape == x.shape and sf.info(tmp_path / "clean.wav").subtype == "PCM_16"
     assert_close_to_peak(y, np.clip(enhancer_rt.enhance(decoded, SR, level="input"), -1, 1), plus=LSB)
-    # --fast, through `python -m enhancer.client` (the same command), to the input's own container
-    r = subprocess.run([sys.executable, "-m", "enhancer.client", "noisy.flac", "-o", "fast.flac", "--url",
+    # --fast, through `python -m enhancer`, to the input's own container, the websocket's address given
+    r = subprocess.run([sys.executable, "-m", "enhancer", "stream", "noisy.flac", "-o", "fast.flac", "--url",
                         live.ws_url, "--fast", "-q"], capture_output=True, text=True, cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert r.returncode == 0 and r.stderr == "", r.stderr
