@@ -130,6 +130,17 @@ def test_the_client_snippet_runs_as_written(live, workdir):
     assert sf.info(workdir / "clean-rest.flac").format == "FLAC" and sr_y == sr and y.shape == x.shape
 
 
+def test_the_service_readme_client_snippet_runs_as_written(live, workdir):
+    """server/README.md's Python client example (REST and a live stream) against the test's service."""
+    text = (ROOT / "server" / "README.md").read_text()
+    clients = text[text.index("\n## Clients\n"):text.index("\n### The browser module\n")]
+    (code,) = blocks("python", clients)
+    run_python(code.replace(DEFAULT, live.base) + "\nassert y.shape == x.shape, (y.shape, x.shape)\n", workdir)
+    x, sr = sf.read(workdir / "noisy.wav", dtype="float32")
+    y, sr_y = sf.read(workdir / "enhanced.flac", dtype="float32")
+    assert sr_y == sr and y.shape == x.shape
+
+
 def test_the_shell_snippets_run_as_written_in_a_fresh_shell(live, workdir):
     """Every command of the usage section, in order, in one new bash (`set -e`) that has only what
     the README's own lines give it: curl, enhancer stream and the command line against the test's
