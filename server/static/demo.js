@@ -149,7 +149,10 @@ function onMetadata(frames) {
 function stop() {
   const s = stream;
   stream = null; // the stopped stream finishes on its own (tail, end, close); its events are ignored
-  if (s) s.stop();
+  if (s) {
+    if (s.state === "streaming") s.stop(); // the rest of the output comes, then the end
+    else s.close(); // connecting, waiting or reconnecting: nothing more to wait for
+  }
   if (mic) mic.getTracks().forEach((t) => t.stop());
   mic = null;
   $("start").disabled = false;
