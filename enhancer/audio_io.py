@@ -193,6 +193,18 @@ def check_complete(read_frames: int, header_frames: int, fmt: str) -> None:
         raise EmptyAudioError("the audio file contains no samples")
 
 
+def check_file(src: Path) -> AudioInfo:
+    """`src` read through once (the client checks a file before it sends it): the reader's errors,
+    prefixed by the file's name as `enhancer denoise` says them. Its facts."""
+    try:
+        with AudioReader(src) as reader:
+            while reader.read(1 << 16) is not None:
+                pass
+            return reader.info
+    except AudioError as e:
+        raise type(e)(f"{src}: {e}") from None
+
+
 # ---------------------------------------------------------------------------------- files out
 def output_format(requested: str | None, info: AudioInfo) -> tuple[str, str]:
     """(major format, subtype) of the output: `requested` (a name of OUTPUT_FORMATS) or the input's;
@@ -293,8 +305,8 @@ class AudioWriter:
 
 # ---------------------------------------------------------------------------------- file to file
 def enhance_file(enhancer, src: Path, dst: Path, atten_lim_db=None, progress: Callable[[int], None] | None = None,
-                 format: str | None = None, band: str = "full") -> dict:
-    """Enhance `src` into `dst` (`band`: see `Enhancer.stream`): the same rate and channels, the container named by `dst`'s
+                 format: str | None = None, band: str = "full", level: str = "model") -> dict:
+    """Enhance `src` into `dst` (`band`, `level`: see `Enhancer.stream`): the same rate and channels, the container named by `dst`'s
     extension (or `format`, which must agree with it; see `output_format_for_path`). Broken input
     (unreadable, truncated, NaN/Inf ...) is an `AudioError` with the service's message, prefixed by
     the file's name; nothing is left at `dst` then. Returns file facts."""
@@ -309,7 +321,7 @@ def enhance_file(enhancer, src: Path, dst: Path, atten_lim_db=None, progress: Ca
             fmt, subtype = output_format_for_path(dst, info, src, format)
         except OutputFormatError as e:
             raise OutputFormatError(f"{e} (input {src})") from None
-        stream = enhancer.stream(info.sample_rate, info.channels, atten_lim_db, band=band)
+        stream = enhancer.stream(info.sample_rate, info.channels, atten_lim_db, band=band, level=level)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".part")
         writer = None

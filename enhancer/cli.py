@@ -1,4 +1,4 @@
-"""`enhancer` command line: denoise, export, info, bench, and the sub-commands other installed
+"""`enhancer` command line: denoise, export, stream, info, bench, and the sub-commands other installed
 packages add through the entry point group `enhancer.commands` (the service's `serve`).
 
 An entry of that group is a function `add(subparsers)` that adds one sub-command whose parsed
@@ -24,6 +24,8 @@ from .errors import EnhancerError
 from .version import __version__
 
 TRAIN_MODULES = ("torch", "onnx", "onnx_ir", "scipy", "pesq", "pystoi", "matplotlib")  # the [train] extra
+LEVEL_HELP = ("model (default): the model's output as it is; input: the voice given back at the input's speech "
+              "level (the model returns it a few dB quieter)")
 THREADS = 1  # onnxruntime intra-op threads of the command line's session (the service's too)
 # the environment variables of the package: read here, at the command line, and nowhere in the runtime
 MODEL_ENV = "TIM_ENHANCER_MODEL"
@@ -108,7 +110,8 @@ def cmd_denoise(a) -> int:
     with tqdm(total=total, unit="sample", unit_scale=True, disable=a.quiet, desc="denoise") as bar:
         for (src, _), dst in zip(files, dsts):
             try:
-                enhance_file(enh, src, dst, a.atten_lim_db, progress=bar.update, format=a.format, band=a.band)
+                enhance_file(enh, src, dst, a.atten_lim_db, progress=bar.update, format=a.format, band=a.band,
+                             level=a.level)
             except EnhancerError as e:
                 failed += 1
                 tqdm.write(f"error: {e}", file=sys.stderr)
@@ -272,6 +275,7 @@ def build_parser(env=None) -> argparse.ArgumentParser:
     d.add_argument("--band", choices=["full", "speech"], default="full",
                    help="above 16 kHz: full (default) keeps the band above 8 kHz, gained by the model's speech "
                         "activity; speech gives the model's band only (nothing above 8 kHz)")
+    d.add_argument("--level", choices=["model", "input"], default="model", help=LEVEL_HELP)
     d.add_argument("--model", default=defaults["model"], help=model_help)
     d.add_argument("--device", choices=DEVICES, default="auto", help=f"where to run the model ({devices})")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary on stderr (errors still)")
@@ -280,6 +284,10 @@ def build_parser(env=None) -> argparse.ArgumentParser:
     from .build.command import add_export
 
     add_export(sub)
+
+    from .stream_command import add_stream
+
+    add_stream(sub)
 
     i = sub.add_parser("info", help="model, sample rate, latency, frame/hop, provider and version of a model")
     i.add_argument("model", nargs="?", default=None, help=f".onnx or checkpoint (default: ${MODEL_ENV}, else the "

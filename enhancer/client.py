@@ -1,152 +1,218 @@
-"""An example client of the websocket `/v1/stream` that survives a full server and a restart.
+"""A client of the tim-enhancer service, installed with the package (numpy, soundfile, websockets;
+no onnxruntime, no torch): `Client(url, api_key=None)`.
 
-    python -m enhancer.client noisy.wav -o clean.wav --url ws://127.0.0.1:8000/v1/stream
+    from enhancer.client import Client, ClientError
 
-    y, rate = asyncio.run(enhance_file("noisy.wav"))          # or enhance_file(array, sample_rate=16000)
+    client = Client("http://127.0.0.1:8000")
+    client.enhance_file("noisy.wav", "clean.wav", level="input")    # REST, POST /v1/enhance
 
-It sends the audio in 20 ms chunks at the pace of a microphone (`speed` times real time) and
-collects the enhanced audio, which is sample-aligned with the input. When the server is full it
-closes with 1013 and an error carrying `retry_after_s`: the client waits that long and tries
-again. When the server restarts it sends the enhanced tail of all it read, `{"type": "end",
-"samples": n, "reason": "shutdown"}` and closes with 1012: the client reconnects and resends the
-input from sample n, so the output always has the input's length. It resends `resume_overlap_s`
-more than that and drops the output of the overlap, so that the new stream's model has warmed up
-by sample n. Needs `websockets`, `numpy` and (for files) `soundfile`.
+    async with client.stream(sample_rate=16000, channels=1) as s:   # websocket, /v1/stream
+        await s.send(chunk)                                          # PCM of any size, as it comes
+        ...
+        await s.end()
+        async for y in s:                                            # enhanced PCM, sample-aligned
+            ...
+
+The stream survives the service's restarts and a full service: on close 1013 (over capacity) it
+waits the `retry_after_s` the error gives and connects again; on 1012 (a restart: the service sends
+the enhanced tail of all it read first), 1001 or a lost connection it reconnects with a backoff and
+resends the input from the first sample whose output it does not have, `resume_overlap_s` earlier,
+dropping the output of that overlap, so the output is neither cut nor repeated and the model has
+warmed up by then (`enhancer.client_stream`). Whatever the service refuses is a `ClientError` with
+its `kind` and message; bad local input (a truncated or unreadable file, NaN samples ...) raises
+the command line's own errors (`enhancer.audio_io.AudioReader`). The command line's `enhancer
+stream IN -o OUT --url URL` (`enhancer.stream_command`) streams a file through it.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import json
+import time
+import urllib.parse
+from pathlib import Path
 
 import numpy as np
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
-RESUME = {1001, 1006, 1012}  # going away, connection lost, server restarting: resume where the output stopped
+from .audio_io import MEDIA_TYPES, OUTPUT_FORMATS, AudioInfo, check_file, output_format_for_path
+from .client_stream import Stream, stream_file
+from .errors import ClientError
+
+__all__ = ["DEFAULT_URL", "Client", "ClientError", "Stream", "enhance_stream", "urls"]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+REST_PATH, STREAM_PATH = "/v1/enhance", "/v1/stream"
+OPTIONS = ("atten_lim_db", "band", "level")  # the enhancement options of REST and of the start message
+RETRIED = ("over_capacity", "shutting_down")  # REST answers (503) that are worth another try
+FACTS = {"sample_rate": "X-Sample-Rate", "channels": "X-Channels", "frames": "X-Frames"}  # of the enhanced file
 
 
-async def _session(url, x, rate, start, headers, speed, chunk_ms, on_message):
-    """One connection: stream `x` (frames, channels) float32, then end. Returns (output, close code,
-    last error message); close code None when the server could not be reached."""
-    received, error = [], {}
-    try:
-        ws = await connect(url, additional_headers=headers, open_timeout=10)
-    except (OSError, InvalidHandshake, TimeoutError) as e:
-        return np.zeros((0, x.shape[1]), np.float32), None, {"message": str(e)}
+def urls(url: str) -> tuple[str, str]:
+    """(REST endpoint, websocket endpoint) of a service address: http(s)://host:port (any path of
+    the service's, e.g. /v1/enhance) or ws(s)://host:port[/v1/stream]."""
+    p = urllib.parse.urlsplit(url.strip())
+    if p.scheme not in ("http", "https", "ws", "wss") or not p.netloc:
+        raise ClientError("invalid_url", f"{url!r} is not the service's address; give http://HOST:PORT (or "
+                          "ws://HOST:PORT/v1/stream)")
+    secure = p.scheme in ("https", "wss")
+    base = p.path.rstrip("/")
+    for known in (REST_PATH, STREAM_PATH):
+        if base.endswith(known):
+            base = base[: -len(known)]
+    http = urllib.parse.urlunsplit(("https" if secure else "http", p.netloc, base + REST_PATH, "", ""))
+    ws = urllib.parse.urlunsplit(("wss" if secure else "ws", p.netloc, base + STREAM_PATH, "", ""))
+    return http, ws
 
-    async def send():
-        step, loop = max(1, rate * chunk_ms // 1000), asyncio.get_running_loop()
-        t0 = loop.time()
-        with contextlib.suppress(ConnectionClosed):  # the server closed first: the receiver knows why
-            for i in range(0, len(x), step):
-                await ws.send(x[i:i + step].tobytes())
-                await asyncio.sleep(max(0.0, t0 + (i + step) / rate / speed - loop.time()))
-            await ws.send(json.dumps({"type": "end"}))
 
-    sender = None
-    async with ws:
+def check_options(options: dict) -> dict:
+    """The enhancement options given (None left out), or TypeError for one that does not exist."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are {', '.join(OPTIONS)}")
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def output_format_name(dst: Path, info: AudioInfo, src: Path, fmt: str | None) -> str | None:
+    """REST's `format` for writing `dst` (its extension or `fmt`, the command line's rules), or None
+    for the input's own container."""
+    major, _ = output_format_for_path(dst, info, src, fmt)
+    if major == info.format:
+        return None
+    return next(name for name, m in OUTPUT_FORMATS.items() if m == major)
+
+
+class Client:
+    """The service at `url` (`http://HOST:PORT`), with `api_key` when it wants one.
+
+    `max_retries` (in a row, without progress) and `max_wait_s` bound the waits on a full or
+    restarting service; `timeout_s`: how long a REST answer may take."""
+
+    def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, *, max_retries: int = 10,
+                 max_wait_s: float = 30.0, timeout_s: float = 600.0):
+        self.rest_url, self.ws_url = urls(url)
+        self.api_key = api_key
+        self.max_retries, self.max_wait_s, self.timeout_s = max_retries, max_wait_s, timeout_s
+
+    @property
+    def headers(self) -> dict:
+        return {"X-API-Key": self.api_key} if self.api_key else {}
+
+    # ------------------------------------------------------------------ REST
+    def enhance_file(self, src, dst, *, format: str | None = None, **options) -> dict:
+        """Enhance the file `src` into `dst` over REST: the same rate, channels and length; the
+        container `dst`'s extension names (or `format`, as `enhancer denoise`). `options`:
+        `atten_lim_db`, `band`, `level`. The file is checked here first (the command line's errors);
+        a full or restarting service is waited for. Returns the file's facts."""
+        src, dst = Path(src), Path(dst)
+        params = check_options(options)
+        info = check_file(src)
+        name = output_format_name(dst, info, src, format)
+        if name:
+            params["format"] = name
+        query = urllib.parse.urlencode(params)
+        headers = self.headers | {"Content-Type": MEDIA_TYPES.get(info.format, "application/octet-stream"),
+                                  "Content-Length": str(src.stat().st_size)}
+        tries = 0
+        while True:
+            try:
+                status, head, body = self._post(src, query, headers, dst)
+            except OSError as e:
+                raise ClientError("unreachable", f"cannot reach the service at {self.rest_url}: "
+                                  f"{e.strerror or e}; is it running?") from None
+            if status == 200:
+                return {"path": str(dst)} | {k: int(head.get(h, 0)) for k, h in FACTS.items()}
+            err = _http_error(status, head, body)
+            if err.kind not in RETRIED or tries >= self.max_retries:
+                raise err
+            tries += 1
+            time.sleep(min(err.retry_after_s or 1.0, self.max_wait_s))
+
+    def _post(self, src: Path, query: str, headers: dict, dst: Path):
+        """POST the file; (status, headers, error body), the answer of 200 saved to `dst`. An answer
+        the service gives before it read the whole upload (an error: a bad key, a full service) is
+        read after the upload is cut short."""
+        import http.client
+
+        p = urllib.parse.urlsplit(self.rest_url)
+        kind = http.client.HTTPSConnection if p.scheme == "https" else http.client.HTTPConnection
+        conn = kind(p.netloc, timeout=self.timeout_s)
         try:
-            with contextlib.suppress(ConnectionClosed):  # refused at once (1013): the error is queued
-                await ws.send(json.dumps(start))
-            async for m in ws:  # ends on close 1000; raises ConnectionClosed on the others
-                if isinstance(m, bytes):
-                    received.append(np.frombuffer(m, "<f4").reshape(-1, x.shape[1]))
-                    continue
-                msg = json.loads(m)
-                if msg.get("type") == "ready" and sender is None:
-                    sender = asyncio.create_task(send())
-                elif msg.get("type") == "error":
-                    error = msg
-                if on_message is not None:
-                    on_message(msg)  # ready, late, on_time, gap, metadata, end, error ...
-        except ConnectionClosed:
-            pass
+            conn.putrequest("POST", p.path + (f"?{query}" if query else ""))
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            try:
+                with src.open("rb") as f:
+                    while data := f.read(1 << 16):
+                        conn.send(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # it answered early: the answer says why
+            r = conn.getresponse()
+            if r.status != 200:
+                return r.status, r.headers, r.read()
+            self._save(r, dst)
+            return r.status, r.headers, b""
         finally:
-            if sender is not None:
-                sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sender
-    out = np.concatenate(received) if received else np.zeros((0, x.shape[1]), np.float32)
-    return out, ws.close_code, error
+            conn.close()
+
+    @staticmethod
+    def _save(r, dst: Path) -> None:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".part")
+        try:
+            with tmp.open("wb") as out:
+                while data := r.read(1 << 16):
+                    out.write(data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        tmp.replace(dst)
+
+    # ------------------------------------------------------------------ websocket
+    def stream(self, sample_rate: int, channels: int = 1, *, metadata: bool = False, on_message=None,
+               resume_overlap_s: float = 1.0, **options):
+        """A live stream (an async context manager, `enhancer.client_stream.Stream`): `send` PCM of
+        any size ((n,) or (n, channels), float or int16), iterate over the enhanced PCM (the same
+        shape convention; mono is (n,)), `end` when the input is over. `options`: `atten_lim_db`,
+        `band`, `level`; `metadata=True` asks for the per-hop speech activity and competition
+        (`on_message` gets every JSON message: ready, metadata, late, gap, end, error)."""
+        start = {"sample_rate": sample_rate, "encoding": "f32le", "channels": channels, "metadata": bool(metadata)}
+        return Stream(self.ws_url, self.headers, start | check_options(options), on_message=on_message,
+                      resume_overlap_s=resume_overlap_s, max_retries=self.max_retries, max_wait_s=self.max_wait_s)
+
+    async def stream_file(self, src, dst, *, speed: float = 1.0, chunk_ms: int = 20, format: str | None = None,
+                          on_message=None, **options) -> dict:
+        """Stream the file `src` through the websocket as a live source would, `speed` times real
+        time (0: as fast as the service takes it), and write the enhanced audio to `dst` (the
+        container of its extension, or `format`, as `enhancer denoise`). Returns the file's facts."""
+        return await stream_file(self, Path(src), Path(dst), speed=speed, chunk_ms=chunk_ms, format=format,
+                                 on_message=on_message, options=check_options(options))
+
+
+def _http_error(status: int, headers, data: bytes) -> ClientError:
+    try:
+        body = json.loads(data or b"null")
+    except ValueError:
+        body = None
+    retry = headers.get("Retry-After")
+    return ClientError.from_body(status, body, float(retry) if retry and retry.isdigit() else None)
 
 
 async def enhance_stream(audio: np.ndarray, sample_rate: int, url: str = DEFAULT_URL, *, api_key: str | None = None,
-                         atten_lim_db: float | None = None, speed: float = 1.0, chunk_ms: int = 20,
-                         resume_overlap_s: float = 1.0, max_wait_s: float = 30.0, max_retries: int = 10,
-                         on_message=None) -> np.ndarray:
-    """Enhance `audio` ((frames,) or (frames, channels)) over the websocket; the result has its shape.
-    `speed`: times real time (1 = a microphone; below 8 with 20 ms chunks, the server's default
-    message-rate limit). Retries at most `max_retries` times in a row without progress, waiting the
-    server's 1013 hint (at most `max_wait_s`) or a backoff while it restarts."""
-    x = np.asarray(audio, "<f4")
-    x = np.ascontiguousarray(x[:, None] if x.ndim == 1 else x)
-    start = {"sample_rate": int(sample_rate), "encoding": "f32le", "channels": x.shape[1], "atten_lim_db": atten_lim_db}
-    headers = {"X-API-Key": api_key} if api_key else {}
-    out, done, tries, reached = [], 0, 0, False  # done: output samples kept (= input samples enhanced)
-    while True:
-        begin = max(0, done - int(resume_overlap_s * sample_rate)) if done else 0
-        got, code, error = await _session(url, x[begin:], sample_rate, start, headers, speed, chunk_ms, on_message)
-        got = got[done - begin:]  # drop the output of the overlap sent again
-        out.append(got)
-        done += len(got)
-        if code == 1000:
-            break
-        if code is None and not reached:  # never reached the server: a wrong URL, or it is not running
-            raise ConnectionError(f"cannot connect to {url}: {error['message']}")
-        reached = True
-        if code not in RESUME | {1013, None}:
-            raise RuntimeError(f"stream closed with {code}: {error.get('message', '')}")
-        tries = 0 if len(got) else tries + 1
-        if tries > max_retries:
-            raise RuntimeError(f"gave up after {max_retries} retries (last: {code}, {error.get('message', '')})")
-        if code == 1013:  # over capacity: the server says when to come back
-            wait = error.get("retry_after_s", 5.0)
-        else:  # restarting or unreachable: back off
-            wait = 0.25 * 2 ** max(tries - 1, 0)
-        await asyncio.sleep(min(wait, max_wait_s))
-    y = np.concatenate(out)
-    if len(y) != len(x):
-        raise RuntimeError(f"the server returned {len(y)} samples for {len(x)}")
-    return y.reshape(np.shape(audio))
-
-
-async def enhance_file(source, url: str = DEFAULT_URL, *, sample_rate: int | None = None, **options):
-    """`source`: a file path (any format soundfile reads) or an array with `sample_rate`.
-    Returns (enhanced audio, sample rate); `options` as for `enhance_stream`."""
-    if isinstance(source, np.ndarray):
-        if sample_rate is None:
-            raise ValueError("an array needs its sample_rate")
-        audio = source
-    else:
-        import soundfile as sf
-
-        audio, sample_rate = sf.read(source, dtype="float32")
-    return await enhance_stream(audio, sample_rate, url, **options), sample_rate
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Enhance a file through the websocket /v1/stream, as a live client.")
-    p.add_argument("input")
-    p.add_argument("-o", "--output", required=True)
-    p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--atten-lim-db", type=float, default=None)
-    p.add_argument("--speed", type=float, default=1.0, help="times real time (default 1: a microphone's pace)")
-    a = p.parse_args(argv)
-    import soundfile as sf
-
-    def show(msg):
-        if msg.get("type") not in ("ready", "metadata"):
-            print(json.dumps(msg))
-
-    y, rate = asyncio.run(enhance_file(a.input, a.url, api_key=a.api_key, atten_lim_db=a.atten_lim_db,
-                                       speed=a.speed, on_message=show))
-    sf.write(a.output, y, rate)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+                         speed: float = 1.0, chunk_ms: int = 20, max_wait_s: float = 30.0, max_retries: int = 10,
+                         resume_overlap_s: float = 1.0, on_message=None, **options) -> np.ndarray:
+    """Enhance `audio` ((n,) or (n, channels)) through the websocket, sent in `chunk_ms` chunks at
+    `speed` times real time; the result has its shape. `options`: `atten_lim_db`, `band`, `level`."""
+    x = np.asarray(audio)
+    channels = 1 if x.ndim == 1 else x.shape[1]
+    client = Client(url, api_key, max_retries=max_retries, max_wait_s=max_wait_s)
+    step = max(1, int(sample_rate) * chunk_ms // 1000)
+    async with client.stream(sample_rate, channels, on_message=on_message, resume_overlap_s=resume_overlap_s,
+                             **options) as s:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(0, len(x), step):
+            await s.send(x[i:i + step])
+            if speed > 0:
+                await asyncio.sleep(max(0.0, t0 + (i + step) / sample_rate / speed - loop.time()))
+        y = await s.finish()
+    return y.reshape(x.shape)

@@ -7,7 +7,8 @@ input hops out (`take_hop`, or `take_hops(n)` for a multi-frame call), each call
 (`pull`). `begin_flush` / `end_flush` frame the hops that finish the stream. Every piece of the
 stream's sample arithmetic lives here: resampling, the model's delay, the padding of the tail,
 where a hop or a skipped run of hops lands in the output, and, for a stream above 16 kHz, the upper
-band kept beside the model's (`band="full"`, `enhancer.fullband.HighBand`).
+band kept beside the model's (`band="full"`, `enhancer.fullband.HighBand`), and with `level="input"`
+the running gain that gives the voice back at the input's level (`enhancer.level.LevelGain`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .device_pool import make_pool
 from .engine import Engine, min_gain_for
 from .errors import AudioError
 from .fullband import DEFAULT_BAND, HighBand, check_band, uses_high_band
+from .level import DEFAULT_LEVEL, LevelGain, check_level
 from .pools import LanePoolProtocol
 from .signal import MAX_CHANNELS, StreamResampler, check_audio, check_rate
 
@@ -74,13 +76,14 @@ class StreamCursor:
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1,
                  atten_lim_db: float | None = None, metadata: bool = False, pool: LanePoolProtocol | None = None,
-                 band: str = DEFAULT_BAND):
+                 band: str = DEFAULT_BAND, level: str = DEFAULT_LEVEL):
         self.config = engine.config
         self.sample_rate = check_rate(sample_rate)
         self.channels = check_channels(channels)
         self.min_gain = min_gain_for(atten_lim_db)
         self.band = check_band(band)  # "full": keep the band above 8 kHz (above 16 kHz); "speech": up to 8 kHz
         self.full_band = uses_high_band(self.band, self.sample_rate, self.config.stft.sample_rate)
+        self.level = check_level(level)  # "model": the model's output as it is; "input": the input's speech level
         self.gains = np.full(self.channels, self.min_gain, np.float32)  # per lane, for `LanePool.step` / `run`
         self.pool = pool or make_pool(engine, self.channels)
         self.lanes = self.pool.alloc(self.channels)
@@ -93,6 +96,7 @@ class StreamCursor:
         self._rs_in = StreamResampler(sr, model_sr, c)
         self._rs_out = StreamResampler(model_sr, sr, c)
         self._high = HighBand(self.config, sr, c, self.min_gain) if self.full_band else None
+        self._level = LevelGain(self.config, sr) if self.level == "input" else None
         self._pending = np.zeros((0, c), dtype=np.float32)  # model-rate input not yet stepped
         self._to_drop = self.config.delay_samples  # leading output samples that are pure delay
         self._ready: list[np.ndarray] = []  # model-rate output, (n, c) each
@@ -129,7 +133,10 @@ class StreamCursor:
         """The next input hop as (channels, hop), for `LanePool.step`."""
         hop = self.config.stft.hop
         x, self._pending = self._pending[:hop], self._pending[hop:]
-        return np.ascontiguousarray(x.T)
+        x = np.ascontiguousarray(x.T)
+        if self._level is not None:
+            self._level.take(x[:, None])
+        return x
 
     def take_hops(self, n: int) -> np.ndarray:
         """The next n input hops (n <= `ready_hops()`) as (channels, n, hop), for `LanePool.run`."""
@@ -137,7 +144,10 @@ class StreamCursor:
         if not 0 < n <= self.ready_hops():
             raise ValueError(f"take_hops({n}): {self.ready_hops()} hop(s) ready")
         x, self._pending = self._pending[:n * hop], self._pending[n * hop:]
-        return np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
+        x = np.ascontiguousarray(x.reshape(n, hop, self.channels).transpose(2, 0, 1))
+        if self._level is not None:
+            self._level.take(x)
+        return x
 
     # ------------------------------------------------------------------ results
     def put_output(self, out: np.ndarray, competition=None, activity=None) -> None:
@@ -145,6 +155,8 @@ class StreamCursor:
         self._ready.append(out.T)
         if self._high is not None:
             self._high.put(out[:, None], None if activity is None else np.asarray(activity)[:, None])
+        if self._level is not None:
+            self._level.put(out[:, None], None if activity is None else np.asarray(activity)[:, None])
         self.log.record(self.hops_out, competition, activity)
         self.hops_out += 1
 
@@ -155,6 +167,8 @@ class StreamCursor:
         self._ready.append(out.transpose(1, 2, 0).reshape(-1, self.channels))
         if self._high is not None:
             self._high.put(out, activity)
+        if self._level is not None:
+            self._level.put(out, activity)
         for t in range(n):
             self.log.record(self.hops_out + t, None if competition is None else competition[:, t],
                             None if activity is None else activity[:, t])
@@ -167,9 +181,11 @@ class StreamCursor:
         the gap."""
         self.take_hops(k)
         self._ready.append(np.zeros((k * self.config.stft.hop, self.channels), np.float32))
+        silent = np.zeros((self.channels, k, self.config.stft.hop), np.float32), np.zeros((self.channels, k), np.float32)
         if self._high is not None:  # no output, no upper band
-            self._high.put(np.zeros((self.channels, k, self.config.stft.hop), np.float32),
-                           np.zeros((self.channels, k), np.float32))
+            self._high.put(*silent)
+        if self._level is not None:  # no output, no speech: the gain stays
+            self._level.put(*silent)
         first = self.hops_out
         self.hops_out += k
         self.skipped += k
@@ -195,6 +211,8 @@ class StreamCursor:
             y = self._high.apply(y[: max(self.n_in - self.n_out - self._high.held, 0)])
         else:
             y = y[: max(self.n_in - self.n_out, 0)]
+        if self._level is not None:
+            y = self._level.apply(y, self.n_out)
         self.n_out += y.shape[0]
         return y
 
@@ -221,11 +239,12 @@ class StreamCursor:
         remaining = self.n_in - self.n_out
         if self._high is not None:
             out = self._high.finish(out, max(remaining, 0))
-            self.n_out += out.shape[0]
-            return out
-        if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
-            out = np.concatenate([out, np.zeros((remaining - out.shape[0], self.channels), np.float32)])
-        out = out[:max(remaining, 0)]
+        else:
+            if out.shape[0] < remaining:  # resampler rounding: pad the last sample(s) with zeros
+                out = np.concatenate([out, np.zeros((remaining - out.shape[0], self.channels), np.float32)])
+            out = out[:max(remaining, 0)]
+        if self._level is not None:
+            out = self._level.apply(out, self.n_out)
         self.n_out += out.shape[0]
         return out
 

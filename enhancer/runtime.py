@@ -3,6 +3,7 @@
     enh = Enhancer.from_pretrained()                 # the shipped model in models/
     clean = enh.enhance(noisy, 48000)                # (n,) or (n, channels), same shape out
     speech = enh.enhance(noisy, 48000, band="speech")  # only the model's band (up to 8 kHz)
+    louder = enh.enhance(noisy, 48000, level="input")  # the voice at the input's speech level
     s = enh.stream(sample_rate=48000, channels=2)
     out = s.feed(chunk); ...; out_tail = s.flush()   # any chunk size; total out == total in
 
@@ -13,8 +14,11 @@ already there -- a file, a block fed at once, a stream's backlog -- goes through
 the same output (a graph with 8-bit key/value rings, as shipped: within their quantization,
 `enhancer.build.ringquant`). Above 16 kHz the band above 8 kHz is kept (`band="full"`, the default): delay-
 aligned with the enhanced low band and gained per hop by what the model does in its top bins and
-its speech activity (`enhancer.fullband`); `band="speech"` returns the model's band only. Per-stream state lives in a `LanePool`: batched cache arrays in which each stream
-(channel) owns a lane, and a stream's key/value rings are written in place.
+its speech activity (`enhancer.fullband`); `band="speech"` returns the model's band only.
+`level="input"` multiplies the output by a running gain that gives the voice back at the input's
+speech level (`enhancer.level`); the default, `level="model"`, is the model's output as it is.
+Per-stream state lives in a `LanePool`: batched cache arrays in which each stream (channel) owns a
+lane, and a stream's key/value rings are written in place.
 """
 from __future__ import annotations
 
@@ -27,13 +31,16 @@ from .cursor import StepLog, StreamCursor
 from .engine import Engine, LanePool, StepResult, min_gain_for
 from .errors import CheckpointError
 from .fullband import BANDS, DEFAULT_BAND
+from .level import DEFAULT_LEVEL, LEVELS
 from .pools import LanePoolProtocol
 from .signal import check_audio, check_rate
 
 __all__ = [
     "BANDS",
     "DEFAULT_BAND",
+    "DEFAULT_LEVEL",
     "DEFAULT_MODEL",
+    "LEVELS",
     "MODELS_DIR",
     "OFFLINE_FRAMES",
     "PACKAGE_MODELS_DIR",
@@ -82,14 +89,17 @@ class StreamingEnhancer:
     `StepFrame` (competition and activity) since the last pop.
 
     Above 16 kHz, `band="full"` (the default) keeps the band above 8 kHz, gained by the model's
-    top-bin gain and speech activity; `band="speech"` gives the model's band only.
+    top-bin gain and speech activity; `band="speech"` gives the model's band only. `level="input"`
+    gives the voice back at the input's speech level (`enhancer.level`); `level="model"` (the
+    default) leaves the model's output as it is.
 
     A scheduler that steps many streams in one call drives a `StreamCursor` instead (`cursor`).
     """
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
-                 metadata: bool = False, pool: LanePoolProtocol | None = None, band: str = DEFAULT_BAND):
-        self._cursor = StreamCursor(engine, sample_rate, channels, atten_lim_db, metadata, pool, band)
+                 metadata: bool = False, pool: LanePoolProtocol | None = None, band: str = DEFAULT_BAND,
+                 level: str = DEFAULT_LEVEL):
+        self._cursor = StreamCursor(engine, sample_rate, channels, atten_lim_db, metadata, pool, band, level)
         self.frames_per_call = OFFLINE_FRAMES
 
     @property
@@ -112,6 +122,10 @@ class StreamingEnhancer:
     @property
     def band(self) -> str:
         return self._cursor.band
+
+    @property
+    def level(self) -> str:
+        return self._cursor.level
 
     @property
     def pool(self) -> LanePoolProtocol:
@@ -202,18 +216,22 @@ class Enhancer:
         return self.config.algorithmic_latency_ms
 
     def stream(self, sample_rate: int = SAMPLE_RATE, channels: int = 1, atten_lim_db: float | None = None,
-               metadata: bool = False, pool: LanePoolProtocol | None = None, band: str = DEFAULT_BAND) -> StreamingEnhancer:
-        """A stream (see `StreamingEnhancer`); `band`: "full" (default) or "speech"."""
-        return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool, band)
+               metadata: bool = False, pool: LanePoolProtocol | None = None, band: str = DEFAULT_BAND,
+               level: str = DEFAULT_LEVEL) -> StreamingEnhancer:
+        """A stream (see `StreamingEnhancer`); `band`: "full" (default) or "speech"; `level`:
+        "model" (default) or "input"."""
+        return StreamingEnhancer(self.engine, sample_rate, channels, atten_lim_db, metadata, pool, band, level)
 
     def enhance(self, audio, sample_rate: int, atten_lim_db: float | None = None, chunk_seconds: float = 10.0,
-                band: str = DEFAULT_BAND) -> np.ndarray:
+                band: str = DEFAULT_BAND, level: str = DEFAULT_LEVEL) -> np.ndarray:
         """Enhance a whole signal: (n,) or (n, channels) at any rate -> the same shape and rate.
-        Above 16 kHz `band="full"` (default) keeps the band above 8 kHz, `band="speech"` does not."""
+        Above 16 kHz `band="full"` (default) keeps the band above 8 kHz, `band="speech"` does not.
+        `level="input"` gives the voice back at the input's speech level; `level="model"` (default)
+        is the model's output as it is."""
         a = check_audio(audio)
         sr = check_rate(sample_rate)
         channels = 1 if a.ndim == 1 else a.shape[1]
-        s = self.stream(sr, channels, atten_lim_db, band=band)
+        s = self.stream(sr, channels, atten_lim_db, band=band, level=level)
         step = max(1, int(chunk_seconds * sr))
         parts = [s.feed(a[i:i + step]) for i in range(0, a.shape[0], step)]
         parts.append(s.flush())

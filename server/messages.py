@@ -78,6 +78,7 @@ class StartMessage(BaseModel):
     atten_lim_db: StrictInt | StrictFloat | None = None
     metadata: StrictBool = False
     band: Literal["full", "speech"] = "full"  # above 16 kHz: keep the band above 8 kHz, or not
+    level: Literal["model", "input"] = "model"  # the model's output level, or the voice at the input's
 
     @classmethod
     def from_text(cls, text: str) -> StartMessage:
@@ -107,7 +108,7 @@ def _unsupported_encoding(value) -> ServiceError:
 
 def _answer(msg: dict, e: ValidationError) -> ServiceError:
     """The client's answer to an invalid start message: the first problem in the order unknown
-    fields, encoding, metadata, band, sample_rate, channels, atten_lim_db."""
+    fields, encoding, metadata, band, level, sample_rate, channels, atten_lim_db."""
     bad = {str(err["loc"][0]) for err in e.errors() if err.get("loc") and err["type"] != "extra_forbidden"}
     unknown = sorted(set(msg) - set(FIELDS) - {"type"})
     if unknown:
@@ -119,6 +120,8 @@ def _answer(msg: dict, e: ValidationError) -> ServiceError:
         return ServiceError(ErrorKind.INVALID_PARAMETER, f"metadata must be true or false, got {msg['metadata']!r}")
     if "band" in bad:
         return ServiceError(ErrorKind.INVALID_PARAMETER, f"band must be \"full\" or \"speech\", got {msg['band']!r}")
+    if "level" in bad:
+        return ServiceError(ErrorKind.INVALID_PARAMETER, f"level must be \"model\" or \"input\", got {msg['level']!r}")
     for name in ("sample_rate", "channels"):
         if name in bad:
             return ServiceError(ErrorKind.INVALID_PARAMETER, f"{name} must be an integer, got {msg[name]!r}")

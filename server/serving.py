@@ -11,6 +11,7 @@ for uploads still running (again at most `drain_timeout_s`) -> the inference wor
 """
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import ssl
@@ -129,8 +130,9 @@ class Server(uvicorn.Server):
                      "measured" if cap.calibrated else "fixed")
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A bound socket for uvicorn, or StartupError saying why not."""
+def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A bound socket for uvicorn, or StartupError saying why not (a port in use: which `flag` to
+    change)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -144,7 +146,11 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise StartupError(f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()}") from None
+        reason = (e.strerror or str(e)).lower()
+        if e.errno == errno.EADDRINUSE:  # another service (or this one, already running) holds the port
+            make = f" (make serve PORT={port + 1})" if flag == "--port" else ""
+            reason += f"; is the service already running? Choose another port: {flag} {port + 1}{make}"
+        raise StartupError(f"cannot listen on {host}:{port}: {reason}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -166,7 +172,7 @@ def serve(app, settings: Settings, host: str, port: int) -> None:
     try:
         socks.append(listen(host, port))
         if settings.agent_port is not None:
-            socks.append(listen(host, settings.agent_port))
+            socks.append(listen(host, settings.agent_port, "--agent-port"))
     except StartupError:
         for s in socks:
             s.close()

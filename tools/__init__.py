@@ -7,6 +7,7 @@ package, not in the image):
     python -m tools.audit      known vulnerabilities of the serving dependency closure
     python -m tools.gpu_check  the model and the service under CUDA, measured (make gpu-check)
     python -m tools.gpu_carry  what gpu_check needs on a GPU machine without a package index
+    python -m tools.examples   the before/after examples of the page's Examples tab (server/static/examples/)
 
 Helpers: `launch` (a server process on a free loopback port), `rawws` (a websocket client that can
 send what no library would), `fuzz_cases` (the fuzzing strategies), `machine_stalls` (whether

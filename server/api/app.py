@@ -160,10 +160,24 @@ def _add_demo(app: FastAPI) -> None:
     """The demo page and its assets: a fixed list of this package's files, looked up by name (no
     path from the client reaches the filesystem)."""
     assets = {p.name: p for p in STATIC.iterdir() if p.is_file() and p.name != "index.html"}
+    examples = {p.name: p for p in (STATIC / "examples").iterdir() if p.is_file()}  # tools/examples.py's
 
     @app.get("/", include_in_schema=False)
     async def demo() -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/examples/{name}", include_in_schema=False)
+    async def example(name: str) -> FileResponse:
+        path = examples.get(name)
+        if path is None:
+            raise ServiceError(ErrorKind.NOT_FOUND, "no such file")
+        return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/client.js", include_in_schema=False)
+    async def client_module() -> FileResponse:
+        """The browser module (an ES module): public, and importable by pages of any origin."""
+        return FileResponse(STATIC / "client.js", media_type="text/javascript",
+                            headers={"Cache-Control": "no-cache", "Access-Control-Allow-Origin": "*"})
 
     @app.get("/static/{name}", include_in_schema=False)
     async def static(name: str) -> FileResponse:

@@ -23,9 +23,10 @@ from server.errors import ErrorKind, ServiceError
 
 HEADER = "X-API-Key"
 QUERY = "api_key"
-# Open without a key: liveness and readiness probes, and the browser demo's page and assets (static
-# files of this package, no data; the page asks for the key and sends it with the websocket).
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/"})
+# Open without a key: liveness and readiness probes, the browser module /client.js and the browser
+# demo's page and assets (static files of this package, no data; the page asks for the key and
+# sends it with the websocket).
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/", "/client.js"})
 PUBLIC_PREFIXES = ("/static/",)
 # with a key file: an admin key only (usage of every key; rotating the keys)
 ADMIN_PATHS = frozenset({"/metrics"})

@@ -49,11 +49,13 @@ def _error(description: str) -> dict:
 
 BAND_HELP = ("Above 16 kHz: `full` (default) keeps the band above 8 kHz, gained by the model's speech activity; "
              "`speech` returns the model's band only (nothing above 8 kHz)")
+LEVEL_HELP = ("`model` (default): the model's output level; `input`: the voice given back at the input's speech "
+              "level (the model returns it a few dB quieter)")
 AUDIO_SCHEMA = {"type": "string", "format": "binary"}
 REQUEST_BODY = {
     "required": True,
     "description": "The audio file: either the raw body with an audio Content-Type, or a multipart form "
-                   "whose `file` field holds it (form fields `atten_lim_db`, `band` and `format` are accepted too).",
+                   "whose `file` field holds it (form fields `atten_lim_db`, `band`, `level` and `format` are accepted too).",
     "content": {
         **{t: {"schema": AUDIO_SCHEMA} for t in ("audio/wav", "audio/flac", "audio/ogg", "audio/mpeg",
                                                   "application/octet-stream")},
@@ -64,6 +66,7 @@ REQUEST_BODY = {
                 "atten_lim_db": {"type": "number", "minimum": 0, "description": "Attenuation limit in dB"},
                 "format": {"type": "string", "enum": list(FORMATS), "description": "Output container"},
                 "band": {"type": "string", "enum": ["full", "speech"], "description": BAND_HELP},
+                "level": {"type": "string", "enum": ["model", "input"], "description": LEVEL_HELP},
             }}},
     },
 }
@@ -96,6 +99,7 @@ async def enhance(
     format: Literal["wav", "flac", "ogg", "mp3"] | None = Query(None, description="Output container; "
                                                                "default: the input's"),
     band: Literal["full", "speech"] = Query("full", description=BAND_HELP),
+    level: Literal["model", "input"] = Query("model", description=LEVEL_HELP),
 ) -> StreamingResponse:
     """Decodes any format libsndfile reads (WAV, FLAC, OGG/Vorbis/Opus, MP3, AIFF ...), at any sample
     rate and channel count, and returns the enhanced audio in the same container (or `format`)."""
@@ -111,7 +115,10 @@ async def enhance(
             band = form.get("band") or band
             if band not in ("full", "speech"):
                 raise ServiceError(ErrorKind.INVALID_PARAMETER, f"band must be full or speech, got {band!r}")
-        out_file, writer, reader = await _enhance_file(request, upload, atten_lim_db, format, band)
+            level = form.get("level") or level
+            if level not in ("model", "input"):
+                raise ServiceError(ErrorKind.INVALID_PARAMETER, f"level must be model or input, got {level!r}")
+        out_file, writer, reader = await _enhance_file(request, upload, atten_lim_db, format, band, level)
     finally:
         upload.close()
     request.app.state.metrics.rest_seconds.observe(time.perf_counter() - t0)
@@ -125,7 +132,7 @@ async def enhance(
     return StreamingResponse(_iter_file(out_file), media_type=writer.media_type, headers=headers)
 
 
-async def _enhance_file(request: Request, upload, atten_lim_db, format, band: str = "full"):
+async def _enhance_file(request: Request, upload, atten_lim_db, format, band: str = "full", level: str = "model"):
     """Decode -> scheduler -> encode, block by block. Returns (spooled output, writer, reader)."""
     settings, scheduler = request.app.state.settings, request.app.state.scheduler
     limit_s, field = request.app.state.keys.upload_limit(request.scope, settings.max_duration_s)  # the key's may be lower
@@ -137,7 +144,7 @@ async def _enhance_file(request: Request, upload, atten_lim_db, format, band: st
         info = reader.info
         fmt, subtype = output_format(format, info)
         writer = AudioWriter(out_file, fmt, subtype, info.sample_rate, info.channels)
-        job = scheduler.open(info.sample_rate, info.channels, atten_lim_db, False, Source.REST, band)
+        job = scheduler.open(info.sample_rate, info.channels, atten_lim_db, False, Source.REST, band, level)
         try:
             block = max(1, int(settings.rest_chunk_s * info.sample_rate))
             while (x := await run_in_threadpool(reader.read, block)) is not None:

@@ -1,8 +1,10 @@
 """Websocket /v1/stream: live audio in, enhanced audio out (protocol in README.md, "Streaming").
 
     client -> {"sample_rate": 48000, "encoding": "pcm_s16le", "channels": 1,
-               "atten_lim_db": null, "metadata": false, "band": "full"}  optional start message
-                                                                     (band "speech": nothing above 8 kHz)
+               "atten_lim_db": null, "metadata": false, "band": "full",
+               "level": "model"}                                     optional start message
+                                          (band "speech": nothing above 8 kHz; level "input": the voice
+                                           at the input's speech level)
     server -> {"type": "ready", ...}                                 stream parameters and delay
     client -> binary audio, any number of whole frames per message
     server -> binary enhanced audio (same encoding, rate, channels), sample-aligned with the input
@@ -115,7 +117,7 @@ class StreamSession:
             start = StartMessage()
         self.encoding = start.encoding
         self.job = self.scheduler.open(start.sample_rate, start.channels, start.atten_lim_db, start.metadata,
-                                       Source.STREAM, start.band)
+                                       Source.STREAM, start.band, start.level)
         rate = self.job.sample_rate
         self.max_samples = int(s.max_stream_s * rate)
         self.max_buffered = max(int(s.max_buffered_s * rate), 1)
@@ -192,6 +194,7 @@ class StreamSession:
         return {
             "type": "ready", "sample_rate": job.sample_rate, "encoding": self.encoding, "channels": job.channels,
             "atten_lim_db": start.atten_lim_db, "metadata": start.metadata, "band": start.band,
+            "level": start.level,
             "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "delay_samples": delay_at(cfg, job.sample_rate), "max_message_bytes": self.settings.max_message_bytes,
         }

@@ -25,6 +25,7 @@ from server.settings import Settings
 
 STREAM_RETRY_S = 5  # retry hint for a stream refused over capacity (streams hold their lanes for minutes)
 REST_RETRY_S = 1
+LOG_MOVE = 0.25  # a re-estimated capacity is logged when it moved by this share since the last one logged
 
 log = logging.getLogger("tim_enhancer.server")
 
@@ -62,6 +63,7 @@ class Admission:
         self.settings, self.metrics = settings, metrics
         self.ledgers: list[LaneLedger] = []
         self.capacity: Capacity | None = None  # measured, or fixed by the settings
+        self.logged: Capacity | None = None  # the capacity last written to the log
         self.streams = 0  # live streams admitted now
         self.rest_jobs = 0  # files admitted now
         self.opened = 0  # jobs ever admitted
@@ -70,14 +72,19 @@ class Admission:
         """The capacity the service admits, spread over the workers' ledgers."""
         self.ledgers = ledgers
         self._apply(capacity)
+        self.logged = capacity
         log.info("capacity: %d live stream(s) (%s; per worker %s)", capacity.streams,
                  "measured" if capacity.calibrated else "fixed", list(capacity.per_worker))
 
     def update_capacity(self, capacity: Capacity, reasons: list[str]) -> None:
         """A capacity re-estimated while serving (`CapacityTracker`). Admitted streams are never
-        dropped: a lower capacity only stops new admissions until the live lanes fit it."""
-        old = self.capacity
+        dropped: a lower capacity only stops new admissions until the live lanes fit it. Logged when
+        it has moved by `LOG_MOVE` or more since it was last logged (every change is in /metrics)."""
         self._apply(capacity)
+        old = self.logged
+        if old is not None and abs(capacity.streams - old.streams) < LOG_MOVE * max(old.streams, 1):
+            return
+        self.logged = capacity
         log.info("capacity: %d -> %d live stream(s) (re-estimated from the step timings; per worker %s -> %s; %d "
                  "active): %s", old.streams if old else 0, capacity.streams, list(old.per_worker) if old else [],
                  list(capacity.per_worker), self.streams, "; ".join(reasons))

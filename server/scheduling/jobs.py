@@ -49,6 +49,7 @@ class Open:
     job: Job
     atten_lim_db: float | None
     band: str = "full"  # "full": the band above 8 kHz kept (above 16 kHz); "speech": up to 8 kHz
+    level: str = "model"  # "model": the model's output level; "input": the voice at the input's speech level
 
 
 @dataclass(frozen=True)

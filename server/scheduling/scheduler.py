@@ -215,7 +215,7 @@ class Scheduler:
 
     # jobs
     def open(self, sample_rate, channels, atten_lim_db=None, metadata: bool = False,
-             source: Source = Source.STREAM, band: str = "full") -> Job:
+             source: Source = Source.STREAM, band: str = "full", level: str = "model") -> Job:
         """A new job on the least loaded worker, or ServiceError (invalid_parameter, over_capacity)."""
         sample_rate = check_parameters(self.settings, sample_rate, channels, atten_lim_db)
         source = Source(source)
@@ -225,7 +225,7 @@ class Scheduler:
         job = Job(next(self._ids), source, sample_rate, channels, bool(metadata), worker=self.workers[i],
                   ledger=self.ledgers[i], release=self.release)
         self.jobs[job.id] = job
-        job.worker.submit(Open(job, atten_lim_db, band))
+        job.worker.submit(Open(job, atten_lim_db, band, level))
         return job
 
     def release(self, job: Job) -> None:

@@ -194,7 +194,7 @@ class Worker(threading.Thread):
         job = cmd.job
         try:
             job.cursor = StreamCursor(self.enhancer.engine, job.sample_rate, job.channels, cmd.atten_lim_db,
-                                      job.metadata, self.pool, cmd.band)
+                                      job.metadata, self.pool, cmd.band, cmd.level)
         except (AudioError, RuntimeError) as e:  # invalid parameters, or no free lane: reported to the client
             self._fail(job, e)
             return

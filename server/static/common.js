@@ -1,4 +1,4 @@
-// What both views share: the element lookup, the API key (typed in, or `?api_key=` in the page's
+// What the views share: the element lookup, the API key (typed in, or `?api_key=` in the page's
 // address), the server's limits from /readyz, the two views (#file, #live) and errors in words.
 
 export const $ = (id) => document.getElementById(id);
@@ -82,7 +82,7 @@ export function errorInWords(status, body, retryAfter) {
 }
 
 // ------------------------------------------------------------------------------ views
-const VIEWS = ["file", "live"];
+const VIEWS = ["file", "live", "examples"];
 const listeners = [];
 
 /** Calls fn(view) whenever the shown view changes (and once now). */

@@ -1,26 +1,27 @@
-// Live view: microphone -> AudioWorklet -> websocket /v1/stream -> playback, with live spectrograms
-// of the input and the output, level meters, the latency measured end to end and a plot of the
-// competition scores the server sends as metadata. No build step: plain modern JavaScript.
+// Live view: the microphone through the service's websocket /v1/stream with the service's own
+// browser module (/client.js: capture, reconnect and resume, sample-aligned playback), with live
+// spectrograms of the input and the output, level meters, the latency measured end to end and a
+// plot of the competition scores the server sends as metadata. No build step: plain modern JavaScript.
+import { EnhancedStream } from "/client.js";
 import { $, apiKey, onView, showKey } from "./common.js";
 import { LIVE_RANGE_DB, ScrollingSpectrogram, drawColourBar } from "./spectrogram.js";
 
-const CHUNK_MS = 20;
 const PLOT_FRAMES = 240; // frames (16 ms each) visible in the plot: about 4 s
 const SPECTROGRAM_S = 5; // seconds visible in the live spectrograms
 
 // Everything the page knows, readable by tests and shown under "Details".
 const state = (window.demoState = {
-  status: "idle", error: null, sampleRate: 0, latencyMs: null, atten: null, band: null, chunksSent: 0,
+  status: "idle", error: null, sampleRate: 0, latencyMs: null, atten: null, band: null, level: null, chunksSent: 0,
   enhancedMessages: 0, enhancedSamples: 0, metadataFrames: 0, plottedFrames: 0, mode: "enhanced",
   roundTripMs: null, playbackBufferMs: null, deviceLatencyMs: null, endToEndMs: null,
-  inputLevelDb: null, outputLevelDb: null, spectrogramColumns: { input: 0, output: 0 },
+  inputLevelDb: null, outputLevelDb: null, spectrogramColumns: { input: 0, output: 0 }, sessions: 0,
 });
 
-let ctx = null, ws = null, mic = null, capture = null, playback = null;
+let stream = null, mic = null;
 const history = []; // recent metadata frames for the plot
 let specIn = null, specOut = null;
+let fresh = false; // a new stream: its spectrograms start empty
 let sent = []; // [input samples sent after the chunk, time it was sent] of chunks not yet enhanced
-let samplesIn = 0, samplesOut = 0;
 let roundTrips = []; // recent measurements (ms)
 const level = { input: -Infinity, output: -Infinity };
 
@@ -41,122 +42,87 @@ async function start() {
   state.error = null;
   try {
     setStatus("starting");
-    ctx = new AudioContext({ latencyHint: "interactive" });
-    await ctx.audioWorklet.addModule("/static/worklets.js");
     mic = await navigator.mediaDevices.getUserMedia({
       audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
     });
-    state.sampleRate = ctx.sampleRate;
-    const chunkSamples = Math.round((ctx.sampleRate * CHUNK_MS) / 1000);
-    capture = new AudioWorkletNode(ctx, "capture", { processorOptions: { chunkSamples } });
-    playback = new AudioWorkletNode(ctx, "playback", {
-      numberOfInputs: 0, outputChannelCount: [1], processorOptions: { sampleRate: ctx.sampleRate },
-    });
-    playback.port.postMessage({ kind: "mode", mode: state.mode });
-    const rate = ctx.sampleRate;
-    playback.port.onmessage = (e) => {
-      if (e.data.kind === "queue") state.playbackBufferMs = Math.round((1000 * e.data.enhanced) / rate);
-    };
-    const silent = ctx.createGain();
-    silent.gain.value = 0;
-    ctx.createMediaStreamSource(mic).connect(capture).connect(silent).connect(ctx.destination);
-    playback.connect(ctx.destination);
-    specIn = new ScrollingSpectrogram($("live-in"), rate, SPECTROGRAM_S);
-    specOut = new ScrollingSpectrogram($("live-out"), rate, SPECTROGRAM_S);
+    const atten = $("atten").value;
+    const s = (stream = new EnhancedStream(mic, {
+      apiKey: apiKey(), atten_lim_db: atten === "" ? null : Number(atten), band: $("band").value,
+      level: $("level").value, metadata: true,
+    }));
+    wire(s);
     sent = [];
     roundTrips = [];
-    samplesIn = samplesOut = 0;
-    await openSocket();
-    capture.port.onmessage = (e) => sendChunk(e.data);
-    await ctx.resume();
+    fresh = true;
+    await s.start();
+    if (stream !== s) return; // stopped while connecting
+    s.monitor(state.mode);
     $("stop").disabled = false;
   } catch (err) {
+    if (err.kind === "unauthorized" || err.kind === "forbidden") showKey(true);
     setStatus("error", err.message || String(err));
     stop();
   }
 }
 
-function socketUrl() {
-  const url = new URL("/v1/stream", location.href);
-  url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
-  url.search = "";
-  url.hash = "";
-  if (apiKey()) url.searchParams.set("api_key", apiKey());
-  return url;
-}
-
-function openSocket() {
-  return new Promise((resolve, reject) => {
-    // Handlers belong to their own socket: after Stop the old one still delivers the enhanced tail
-    // and its close, which must not reach the playback or the status of a stream started since.
-    const sock = (ws = new WebSocket(socketUrl()));
-    sock.binaryType = "arraybuffer";
-    const atten = $("atten").value;
-    const sampleRate = ctx.sampleRate;
-    sock.onopen = () => sock.send(JSON.stringify({
-      sample_rate: sampleRate, encoding: "f32le", channels: 1,
-      atten_lim_db: atten === "" ? null : Number(atten), metadata: true, band: $("band").value,
-    }));
-    sock.onmessage = (e) => {
-      if (sock !== ws) return; // a stopped stream's tail: nobody listens to it any more
-      if (typeof e.data !== "string") return onAudio(e.data);
-      const msg = JSON.parse(e.data);
-      if (msg.type === "ready") {
-        state.latencyMs = msg.latency_ms;
-        state.atten = msg.atten_lim_db;
-        state.band = msg.band; // as the server took it: "full" keeps the band above 8 kHz (input above 16 kHz)
-        $("info").textContent = `${msg.sample_rate} Hz · algorithmic latency ${msg.latency_ms} ms` +
-          (msg.band === "speech" ? " · speech band (nothing above 8 kHz)" : "");
-        setStatus("streaming");
-        resolve();
-      } else if (msg.type === "metadata") {
-        onMetadata(msg.frames);
-      } else if (msg.type === "error") {
-        if (msg.kind === "unauthorized" || msg.kind === "forbidden") showKey(true);
-        setStatus("error", msg.message);
-        reject(new Error(msg.message));
-      }
-    };
-    sock.onclose = (e) => {
-      reject(new Error(`connection closed (${e.code})`)); // no effect once the stream was ready
-      if (sock !== ws) return;
-      ws = null;
-      if (state.status === "streaming") setStatus(e.code === 1000 ? "stopped" : "closed", e.code === 1000 ? null : `connection closed (${e.code})`);
-    };
+/** The page's handlers of stream `s`. Each belongs to its own stream: after Stop the old one still
+ * delivers the enhanced tail and its end, which must not reach a stream started since. */
+function wire(s) {
+  const on = (type, fn) => s.addEventListener(type, (e) => { if (stream === s) fn(e.detail); });
+  on("ready", (msg) => {
+    state.latencyMs = msg.latency_ms;
+    state.atten = msg.atten_lim_db;
+    state.band = msg.band; // as the server took it: "full" keeps the band above 8 kHz (input above 16 kHz)
+    state.level = msg.level;
+    state.sessions = s.sessions;
+    $("info").textContent = `${msg.sample_rate} Hz · algorithmic latency ${msg.latency_ms} ms` +
+      (msg.band === "speech" ? " · speech band (nothing above 8 kHz)" : "") +
+      (msg.level === "input" ? " · voice at the input's level" : "");
+    setStatus("streaming");
+  });
+  on("input", ({ samples, total }) => onInput(samples, total, s.sampleRate));
+  on("audio", ({ samples, total }) => onAudio(samples, total, s.sampleRate));
+  on("metadata", ({ frames }) => onMetadata(frames));
+  on("queue", ({ enhancedMs }) => { state.playbackBufferMs = Math.round(enhancedMs); });
+  on("state", ({ state: now, code, message }) => {
+    if (now === "waiting") setStatus("waiting", message);
+    else if (now === "reconnecting" && state.status === "streaming") setStatus("reconnecting", `connection closed (${code})`);
+  });
+  on("error", (err) => {
+    if (err.kind === "unauthorized" || err.kind === "forbidden") showKey(true);
+    if (state.status !== "starting") setStatus("closed", err.message);
   });
 }
 
-function sendChunk(samples) {
-  if (!ws || ws.readyState !== WebSocket.OPEN || !playback) return;
-  ws.send(samples.buffer);
-  samplesIn += samples.length;
-  sent.push([samplesIn, performance.now()]);
-  playback.port.postMessage({ kind: "original", samples });
+function onInput(samples, total, rate) {
+  if (fresh || specIn.sampleRate !== rate) { // a new stream, at the microphone's rate
+    fresh = false;
+    specIn = new ScrollingSpectrogram($("live-in"), rate, SPECTROGRAM_S);
+    specOut = new ScrollingSpectrogram($("live-out"), rate, SPECTROGRAM_S);
+  }
+  state.sampleRate = rate;
+  sent.push([total, performance.now()]);
   state.chunksSent += 1;
   level.input = Math.max(rmsDb(samples), level.input);
   specIn.push(samples);
 }
 
-function onAudio(buffer) {
-  const samples = new Float32Array(buffer);
+function onAudio(samples, total, rate) {
   state.enhancedMessages += 1;
   state.enhancedSamples += samples.length;
-  if (!playback) return; // stopped: the tail of the stream arrives after playback has ended
-  measureRoundTrip(samples.length);
+  measureRoundTrip(total, rate);
   level.output = Math.max(rmsDb(samples), level.output);
   specOut.push(samples);
-  playback.port.postMessage({ kind: "enhanced", samples }, [samples.buffer]);
   if (state.enhancedMessages % 10 === 0) showResults();
 }
 
 /** Output sample i is the enhanced input sample i: the newest sample of this message went into the
  * capture worklet (end of its chunk - its place in the chunk) before its chunk was sent. */
-function measureRoundTrip(n) {
-  samplesOut += n;
+function measureRoundTrip(samplesOut, rate) {
   while (sent.length && sent[0][0] < samplesOut) sent.shift();
   if (!sent.length) return;
   const [end, t] = sent[0];
-  const waited = (1000 * (end - samplesOut)) / ctx.sampleRate; // in the capture chunk before it was sent
+  const waited = (1000 * (end - samplesOut)) / rate; // in the capture chunk before it was sent
   roundTrips.push(performance.now() - t + waited);
   if (roundTrips.length > 100) roundTrips.shift();
 }
@@ -181,17 +147,17 @@ function onMetadata(frames) {
 }
 
 function stop() {
-  if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "end" }));
-  else if (ws && ws.readyState === WebSocket.CONNECTING) ws.close();
-  ws = null; // the stopped socket finishes on its own (tail, end, close); its messages are ignored
+  const s = stream;
+  stream = null; // the stopped stream finishes on its own (tail, end, close); its events are ignored
+  if (s) {
+    if (s.state === "streaming") s.stop(); // the rest of the output comes, then the end
+    else s.close(); // connecting, waiting or reconnecting: nothing more to wait for
+  }
   if (mic) mic.getTracks().forEach((t) => t.stop());
-  if (ctx && ctx.state !== "closed") ctx.close().catch(() => {});
-  if (capture) capture.port.onmessage = null;
-  if (playback) playback.port.onmessage = null;
-  ctx = mic = capture = playback = null;
+  mic = null;
   $("start").disabled = false;
   $("stop").disabled = true;
-  if (state.status === "streaming") setStatus("stopped");
+  if (["streaming", "starting", "reconnecting", "waiting"].includes(state.status)) setStatus("stopped");
 }
 
 // ------------------------------------------------------------------------------ readouts
@@ -206,6 +172,7 @@ function readouts() {
     level[k] = Number.isFinite(level[k]) ? level[k] - 20 / 60 : level[k];
   }
   const rt = median(roundTrips);
+  const ctx = stream && stream.context;
   if (rt !== null && ctx) {
     state.roundTripMs = Math.round(rt);
     state.deviceLatencyMs = Math.round(1000 * ((ctx.baseLatency || 0) + (ctx.outputLatency || 0)));
@@ -276,7 +243,7 @@ $("start").addEventListener("click", start);
 $("stop").addEventListener("click", stop);
 document.querySelectorAll("input[name=mode]").forEach((el) => el.addEventListener("change", () => {
   state.mode = el.value;
-  if (playback) playback.port.postMessage({ kind: "mode", mode: el.value });
+  if (stream) stream.monitor(el.value);
 }));
 $("details").addEventListener("toggle", showResults);
 window.addEventListener("resize", () => { scaleDrawn = false; });

@@ -6,7 +6,7 @@ import { FILE_RANGE_DB, FileSpectrogram, clock, drawColourBar, monoOf, stft } fr
 
 // Everything the view knows, readable by tests.
 const state = (window.fileState = {
-  status: "idle", error: null, name: null, size: 0, atten: null, band: "full", uploadProgress: 0, runs: 0,
+  status: "idle", error: null, name: null, size: 0, atten: null, band: "full", level: "model", uploadProgress: 0, runs: 0,
   sampleRate: null, channels: null, frames: null, durationS: null, format: null, contentType: null,
   enhancedBytes: 0, downloadName: null, enhanceMs: null, decoded: { original: false, enhanced: false },
   columns: { original: 0, enhanced: 0 }, listen: "enhanced", playing: false, position: 0, switches: 0,
@@ -83,6 +83,9 @@ $("file-atten").addEventListener("change", () => {
 $("file-band").addEventListener("change", () => {
   if (file) enhance(); // the same file again with the other band
 });
+$("file-level").addEventListener("change", () => {
+  if (file) enhance(); // the same file again at the other level
+});
 
 // ------------------------------------------------------------------------------ upload
 function enhance() {
@@ -100,6 +103,8 @@ function enhance() {
   if (state.atten !== null) url.searchParams.set("atten_lim_db", String(state.atten));
   state.band = $("file-band").value;
   if (state.band !== "full") url.searchParams.set("band", state.band);
+  state.level = $("file-level").value;
+  if (state.level !== "model") url.searchParams.set("level", state.level);
   const xhr = (request = new XMLHttpRequest());
   xhr.open("POST", url);
   xhr.responseType = "arraybuffer";
@@ -179,7 +184,7 @@ async function received(xhr, mine) {
   if (downloadUrl) URL.revokeObjectURL(downloadUrl);
   downloadUrl = URL.createObjectURL(new Blob([body], { type }));
   const stem = file.name.replace(/\.[^.]*$/, "") || "recording";
-  const name = `${stem}-enhanced${state.atten !== null ? `-${state.atten}dB` : ""}${state.band === "speech" ? "-speech" : ""}.${ext}`;
+  const name = `${stem}-enhanced${state.atten !== null ? `-${state.atten}dB` : ""}${state.band === "speech" ? "-speech" : ""}${state.level === "input" ? "-level" : ""}.${ext}`;
   const link = $("download");
   link.href = downloadUrl;
   link.download = name;

@@ -197,3 +197,84 @@ def test_enhancer_serve_answers_healthz_without_torch(tmp_path):
             proc.wait()
     text = log.read_text()
     assert "BLOCKED IMPORT" not in text and "Traceback" not in text, text[-3000:]
+
+
+_CLIENT_ONLY = """
+import importlib.abc, sys
+BLOCKED = ("torch", "onnx", "onnxruntime", "training", "fastapi", "uvicorn")
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked: the client must not need it")
+        return None
+sys.meta_path.insert(0, Block())
+import enhancer
+from enhancer.client import Client, ClientError
+from enhancer.cli import main
+print(enhancer.__file__)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_fresh_environment_has_the_client_and_the_browser_module(tmp_path, model_path):
+    """The wheel installed (not editable) into a new virtual environment, run from outside the
+    checkout: `enhancer stream --help` works; with torch, onnx, onnxruntime and the service's
+    packages unimportable, `enhancer.client` imports and `enhancer stream` streams a file through a
+    live service; the installed service serves /client.js as JavaScript and the examples. The
+    environment takes its third-party packages from this one's site-packages (no index here)."""
+    import site
+
+    import soundfile as sf
+
+    from tests.conftest import speechlike
+
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, cwd=tmp_path)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = next((tmp_path / "dist").glob("tim_enhancer-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    assert {"enhancer/client.py", "enhancer/client_stream.py", "enhancer/stream_command.py", "server/static/client.js",
+            "server/static/examples/examples.json", "server/static/examples/noise-after.ogg"} <= names
+    env = {k: v for k, v in os.environ.items() if k not in (MODEL_ENV, "PYTHONPATH", "VIRTUAL_ENV")}
+    venv = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python, enhancer_exe = venv / "bin" / "python", venv / "bin" / "enhancer"
+    inst = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                           "--no-index", str(wheel)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert inst.returncode == 0, inst.stderr[-3000:]
+    assert enhancer_exe.is_file(), (inst.stdout, inst.stderr, sorted(p.name for p in (venv / "bin").iterdir()))
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # the dependencies: this environment's site-packages, appended after the venv's own (their .pth
+    # files, an editable install's among them, are not run)
+    (Path(purelib) / "deps-from-the-test.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+
+    def run(*argv):
+        return subprocess.run([str(a) for a in argv], capture_output=True, text=True, cwd=work, env=env, timeout=300)
+
+    r = run(enhancer_exe, "stream", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: enhancer stream") and "--fast" in r.stdout, r.stderr
+    x = speechlike(8000, 16000, seed=3)
+    sf.write(work / "noisy.wav", x, 16000, subtype="PCM_16")
+    from tests.server.conftest import TEST_LIMITS, LiveServer
+
+    live = LiveServer(model=model_path, **TEST_LIMITS)
+    try:
+        r = run(python, "-c", _CLIENT_ONLY, "stream", "noisy.wav", "-o", "clean.wav", "--url", live.base, "--fast", "-q")
+    finally:
+        live.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == f"{purelib}/enhancer/__init__.py"  # the installed package, not the checkout
+    assert sf.info(work / "clean.wav").frames == len(x)
+    serve = ("from fastapi.testclient import TestClient; import server; c = TestClient(server.create_app()); "
+             "r = c.get('/client.js'); e = c.get('/static/examples/examples.json'); "
+             "print(r.status_code, r.headers['content-type'], 'export async function openStream' in r.text, "
+             "e.status_code, len(e.json()), server.__file__)")
+    r = run(python, "-c", serve)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[:6] == ["200", "text/javascript;", "charset=utf-8", "True", "200", "4"], r.stdout
+    assert r.stdout.split()[-1].startswith(purelib)

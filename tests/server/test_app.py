@@ -37,8 +37,9 @@ def test_openapi_describes_the_api(http):
     assert {"audio/wav", "audio/flac", "audio/ogg", "audio/mpeg", "multipart/form-data"} <= set(content)
     assert content["multipart/form-data"]["schema"]["required"] == ["file"]
     params = {p["name"]: p for p in op["parameters"]}
-    assert set(params) == {"atten_lim_db", "format", "band"} and all(p["in"] == "query" for p in params.values())
+    assert set(params) == {"atten_lim_db", "format", "band", "level"} and all(p["in"] == "query" for p in params.values())
     assert "full" in str(params["band"]) and "speech" in str(params["band"])
+    assert "model" in str(params["level"]) and "input" in str(params["level"])
     assert {"400", "401", "403", "413", "415", "422", "503"} <= set(op["responses"])
     assert "audio/wav" in op["responses"]["200"]["content"]
     assert "X-API-Key" in str(spec["components"]["securitySchemes"])
@@ -49,10 +50,18 @@ def test_openapi_describes_the_api(http):
 def test_demo_page_is_served(http):
     page = http.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    for asset in ("/static/demo.js", "/static/worklets.js", "/static/style.css"):
-        assert asset.split("/")[-1] in page.text or asset.endswith("worklets.js")
+    for asset in ("/static/demo.js", "/static/style.css"):
+        assert asset.split("/")[-1] in page.text
         assert http.get(asset).status_code == 200
-    assert "registerProcessor" in http.get("/static/worklets.js").text
+    assert 'from "/client.js"' in http.get("/static/demo.js").text  # the page streams with the browser module
+
+
+def test_the_browser_module_is_served_as_javascript_to_any_origin(http):
+    r = http.get("/client.js", headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/javascript")
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "export async function openStream" in r.text and "export class EnhancedStream" in r.text
+    assert "registerProcessor" in r.text  # its worklets travel with it
 
 
 def test_rest_api_key(live_auth):

@@ -928,3 +928,26 @@ def test_server_capacity_follows_the_step_time(model_path, monkeypatch, caplog):
     assert any(m.startswith(f"capacity: {start} -> ") for m in changes) and any(" -> 6 " in m for m in changes), changes
     assert any(m.startswith("capacity: 6 -> 4 ") and "held by admitted streams" in m for m in changes), changes
     assert any("follows the machine" in r.getMessage() for r in caplog.records)
+
+
+def test_a_capacity_change_is_logged_when_it_moves_by_a_quarter(caplog):
+    """Every re-estimate reaches /metrics; the log says the start and then only moves of a quarter
+    or more since the figure it last said (small steps add up until they are one)."""
+    from server.scheduling.admission import Admission, LaneLedger
+
+    metrics = Metrics()
+    admission = Admission(Settings.build(**TEST_LIMITS), metrics)
+
+    def cap(n: int) -> calibration.Capacity:
+        return calibration.Capacity(streams=n, per_worker=(n,), calibrated=True, budget_ms=11.2, margin=0.3)
+
+    with caplog.at_level("INFO", logger="tim_enhancer.server"):
+        admission.set_capacity(cap(8), [LaneLedger(size=64, capacity=8, free=64)])
+        for n in (9, 10, 11, 12, 13, 10, 9, 7):
+            admission.update_capacity(cap(n), ["because"])
+            assert metrics.capacity._value.get() == n and admission.capacity.streams == n
+    said = [r.getMessage().split(" (")[0] for r in caplog.records if r.getMessage().startswith("capacity: ")]
+    # 8 -> 9 is 12 %: not said; 10 is 25 % over 8; 11, 12 under 25 % over 10; 13 is 30 %; 10 is 23 %
+    # under 13; 9 is 31 % under 13
+    assert said == ["capacity: 8 live stream(s)", "capacity: 8 -> 10 live stream(s)",
+                    "capacity: 10 -> 13 live stream(s)", "capacity: 13 -> 9 live stream(s)"], said

@@ -585,4 +585,4 @@ def test_port_in_use_at_start(model_path):
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     finally:
         s.close()
-    _assert_clean_failure(r, "address already in use", str(port))
+    _assert_clean_failure(r, "address already in use", str(port), f"--port {port + 1}", f"make serve PORT={port + 1}")

@@ -67,7 +67,7 @@ def request(srv, path, method, headers=None, query=""):
 # ---------------------------------------------------------------------------------- API key
 def test_public_routes_are_only_health_and_the_demo_files():
     public = sorted(p for p, _, _ in ROUTES if is_public(p.replace("{name}", "demo.js")))
-    assert public == ["/", "/healthz", "/readyz", "/static/{name}"]
+    assert public == ["/", "/client.js", "/healthz", "/readyz", "/static/examples/{name}", "/static/{name}"]
     assert {p for p, _, _ in PROTECTED} >= {"/v1/enhance", "/v1/stream", "/metrics", "/openapi.json", "/docs"}
 
 
@@ -97,7 +97,7 @@ def test_api_key_enforced(live_auth, path, methods, kind):
             assert request(live_auth, path, method, query="?api_key=wrong").status_code == 403
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/", "/static/demo.js", "/static/worklets.js"])
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/", "/static/demo.js", "/client.js"])
 def test_public_routes_need_no_key(live_auth, path):
     assert httpx.get(live_auth.base + path, timeout=10).status_code == 200
 
