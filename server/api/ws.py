@@ -309,7 +309,7 @@ class StreamSession:
         self.closing = True
         if self.ws.application_state == WebSocketState.CONNECTED:
             try:
-                await self.ws.close(code, reason[:120])
+                await self.ws.close(code, close_reason(reason))
             except Exception:  # the connection is gone already: nothing left to close
                 pass
 
@@ -318,6 +318,12 @@ class StreamSession:
             self.writer.cancel()
         if self.job is not None:
             self.job.close()
+
+
+def close_reason(text: str, limit: int = 123) -> str:
+    """`text` cut to the `limit` bytes of UTF-8 a close frame's reason may hold, never inside a
+    character (a reason that is not valid UTF-8 breaks the close)."""
+    return text.encode("utf-8")[:limit].decode("utf-8", "ignore")
 
 
 def _parse_json(text: str):

@@ -243,6 +243,17 @@ def test_bad_start_fields(live):
     expect_close(live.ws_url, [], 1007, "bad_request", "start message", start=["not", "an", "object"])
 
 
+def test_a_long_non_ascii_error_still_closes_cleanly(live):
+    """The error names the unknown fields; as a close reason it is cut to 123 bytes of UTF-8 between
+    characters (4-byte characters from the 120th on), so the close frame still goes out."""
+    from server.api.ws import close_reason
+
+    start = {"\U00010000" * 3: None, "\U00010000": None, "0000": None}
+    expect_close(live.ws_url, [], 1007, "invalid_parameter", "unknown", start=start)
+    reason = close_reason("x" * 121 + "\U00010000")
+    assert reason == "x" * 121 and len(close_reason("é" * 100).encode()) == 122
+
+
 def test_partial_sample_frame(live):
     expect_close(live.ws_url, [b"\x01\x02\x03"], 1007, "invalid_audio", "whole number")
 
