@@ -12,7 +12,8 @@ enhanced low band's alignment, sample for sample):
 `clean` is a short-time spectral gain on `high` at the stream's rate (a `FRAME_S` hop, windows of
 two hops, square-root Hann analysis and synthesis, which reconstruct exactly at unit gain), with
 one gain per band of an ERB-like scale from 8 kHz to the Nyquist frequency (`BandGains`),
-interpolated across bins:
+interpolated across bins (below 8 kHz, where `high` holds only what the resamplers' transition
+bands leave of the model's band, the gain is 0, so the output taken down to 16 kHz is the model's):
 
 * the noise of each band is tracked by a recursive average that the model's speech probability
   freezes while it hears speech, bounded below by the minimum of the band's smoothed level over
@@ -109,6 +110,8 @@ class BandGains:
         self._interp = np.zeros((len(f), self.k), np.float64)  # band gains -> bin gains, linear in ERB rate
         e = _erb_rate(f)
         for i, x in enumerate(e):
+            if f[i] < LOW_HZ:  # the model's band: what the resamplers leave of it there is not added again
+                continue
             if self.k == 1 or x <= centers[0]:
                 self._interp[i, 0] = 1.0
             elif x >= centers[-1]:
