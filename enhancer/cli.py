@@ -273,8 +273,9 @@ def build_parser(env=None) -> argparse.ArgumentParser:
                         "input's; into a folder, files get this extension")
     d.add_argument("--atten-lim-db", type=float, default=None, help="limit noise attenuation to this many dB")
     d.add_argument("--band", choices=["full", "speech"], default="full",
-                   help="above 16 kHz: full (default) keeps the band above 8 kHz, gained by the model's speech "
-                        "activity; speech gives the model's band only (nothing above 8 kHz)")
+                   help="above 16 kHz: full (default) adds the band above 8 kHz back, cleaned by per-band gains "
+                        "that follow its noise and the model's speech activity; speech gives the model's band only "
+                        "(nothing above 8 kHz)")
     d.add_argument("--level", choices=["model", "input"], default="model", help=LEVEL_HELP)
     d.add_argument("--model", default=defaults["model"], help=model_help)
     d.add_argument("--device", choices=DEVICES, default="auto", help=f"where to run the model ({devices})")

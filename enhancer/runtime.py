@@ -12,9 +12,9 @@ Every path runs the exported step graph, whose time axis is dynamic: a live stre
 already there -- a file, a block fed at once, a stream's backlog -- goes through in calls of up to
 `OFFLINE_FRAMES` hops, so every weight is read once per chunk instead of once per hop. Both give
 the same output (a graph with 8-bit key/value rings, as shipped: within their quantization,
-`enhancer.build.ringquant`). Above 16 kHz the band above 8 kHz is kept (`band="full"`, the default): delay-
-aligned with the enhanced low band and gained per hop by what the model does in its top bins and
-its speech activity (`enhancer.fullband`); `band="speech"` returns the model's band only.
+`enhancer.build.ringquant`). Above 16 kHz the band above 8 kHz is added back (`band="full"`, the default): delay-
+aligned with the enhanced low band and cleaned by per-band gains that follow its noise and the
+model's speech activity (`enhancer.fullband`); `band="speech"` returns the model's band only.
 `level="input"` multiplies the output by a running gain that gives the voice back at the input's
 speech level (`enhancer.level`); the default, `level="model"`, is the model's output as it is.
 Per-stream state lives in a `LanePool`: batched cache arrays in which each stream (channel) owns a
@@ -88,8 +88,9 @@ class StreamingEnhancer:
     depend on the chunking (with 8-bit rings, beyond their quantization). With `metadata=True`, `metadata.pop()` returns each step's
     `StepFrame` (competition and activity) since the last pop.
 
-    Above 16 kHz, `band="full"` (the default) keeps the band above 8 kHz, gained by the model's
-    top-bin gain and speech activity; `band="speech"` gives the model's band only. `level="input"`
+    Above 16 kHz, `band="full"` (the default) adds the band above 8 kHz back, cleaned by per-band
+    gains that follow its noise and the model's speech activity; `band="speech"` gives the model's
+    band only. `level="input"`
     gives the voice back at the input's speech level (`enhancer.level`); `level="model"` (the
     default) leaves the model's output as it is.
 

@@ -47,7 +47,8 @@ def _error(description: str) -> dict:
     return {"model": ErrorBody, "description": description}
 
 
-BAND_HELP = ("Above 16 kHz: `full` (default) keeps the band above 8 kHz, gained by the model's speech activity; "
+BAND_HELP = ("Above 16 kHz: `full` (default) adds the band above 8 kHz back, cleaned by per-band gains that follow "
+             "its noise and the model's speech activity; "
              "`speech` returns the model's band only (nothing above 8 kHz)")
 LEVEL_HELP = ("`model` (default): the model's output level; `input`: the voice given back at the input's speech "
               "level (the model returns it a few dB quieter)")
