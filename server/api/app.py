@@ -166,12 +166,15 @@ def _add_demo(app: FastAPI) -> None:
     async def demo() -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/static/examples/{name}", include_in_schema=False)
-    async def example(name: str) -> FileResponse:
-        path = examples.get(name)
+    def served(files: dict, name: str) -> FileResponse:
+        path = files.get(name)
         if path is None:
             raise ServiceError(ErrorKind.NOT_FOUND, "no such file")
         return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/examples/{name}", include_in_schema=False)
+    async def example(name: str) -> FileResponse:
+        return served(examples, name)
 
     @app.get("/client.js", include_in_schema=False)
     async def client_module() -> FileResponse:
@@ -181,10 +184,7 @@ def _add_demo(app: FastAPI) -> None:
 
     @app.get("/static/{name}", include_in_schema=False)
     async def static(name: str) -> FileResponse:
-        path = assets.get(name)
-        if path is None:
-            raise ServiceError(ErrorKind.NOT_FOUND, "no such file")
-        return FileResponse(path, headers={"Cache-Control": "no-cache"})
+        return served(assets, name)
 
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request):

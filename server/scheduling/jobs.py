@@ -197,25 +197,22 @@ class Job:
     async def process(self, pcm: np.ndarray) -> np.ndarray:
         """Push `pcm` and wait until all of it is processed; returns the output made meanwhile."""
         seq = self.push(pcm)
-        parts = []
-        while True:
-            d = await self.next()
-            if d.error:
-                raise d.error
-            parts.append(d.audio)
-            if d.acked >= seq:
-                return np.concatenate(parts)
+        return await self._collect(lambda d: d.acked >= seq)
 
     async def finish(self) -> np.ndarray:
         """`end` and wait for the tail."""
         self.end()
+        return await self._collect(lambda d: d.final)
+
+    async def _collect(self, last) -> np.ndarray:
+        """The audio of the deliveries up to the first for which `last(delivery)` holds."""
         parts = []
         while True:
             d = await self.next()
             if d.error:
                 raise d.error
             parts.append(d.audio)
-            if d.final:
+            if last(d):
                 return np.concatenate(parts)
 
     def deliver(self, d: Delivery) -> None:
