@@ -70,6 +70,13 @@ def check_band(band) -> str:
     return band
 
 
+def speech_weight(activity) -> np.ndarray:
+    """The model's speech activity as a weight: 0 at or below ACTIVITY_OFF, 1 at or above
+    ACTIVITY_ON, linear in between."""
+    a = np.asarray(activity, np.float64)
+    return np.clip((a - ACTIVITY_OFF) / (ACTIVITY_ON - ACTIVITY_OFF), 0.0, 1.0)
+
+
 def uses_high_band(band: str, sample_rate: int, model_rate: int) -> bool:
     """Whether a stream of `band` at `sample_rate` keeps an upper band."""
     return band == "full" and sample_rate > model_rate
@@ -228,8 +235,7 @@ class HighBand:
         if activity is None:
             speech = np.ones(enhanced_level.shape)
         else:
-            a = np.asarray(activity, np.float64)[:, ts]
-            speech = np.clip((a - ACTIVITY_OFF) / (ACTIVITY_ON - ACTIVITY_OFF), 0.0, 1.0)
+            speech = speech_weight(np.asarray(activity)[:, ts])
         for i in range(len(ts)):  # the enhanced low band against its own floor: is there speech at all?
             lv = enhanced_level[:, i]
             self._lb_level = lv if first + ts[i] == la else LEVEL_SMOOTH * self._lb_level + (1 - LEVEL_SMOOTH) * lv

@@ -36,7 +36,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import AudioError
-from .fullband import ACTIVITY_OFF, ACTIVITY_ON
+from .fullband import speech_weight
 
 LEVELS = ("model", "input")
 DEFAULT_LEVEL = "model"  # the model's output as it is (bit-identical to no level option at all)
@@ -91,8 +91,7 @@ class LevelGain:
         if activity is None:
             speech = np.ones(n)
         else:
-            a = np.mean(np.asarray(activity, np.float64), axis=0)
-            speech = np.clip((a - ACTIVITY_OFF) / (ACTIVITY_ON - ACTIVITY_OFF), 0.0, 1.0)
+            speech = speech_weight(np.mean(np.asarray(activity, np.float64), axis=0))
         for t in range(n):
             j = self._steps - self.lookahead_hops  # the output hop of this step
             self._steps += 1

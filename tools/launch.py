@@ -68,14 +68,19 @@ class ServerProcess:
         return self.proc.poll() is None
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc)
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM (a server's drain), SIGKILL after `timeout`; the exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def start(model: Path, **settings) -> ServerProcess:

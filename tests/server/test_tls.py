@@ -28,6 +28,7 @@ from websockets.sync.client import connect
 
 from tests.conftest import speechlike
 from tests.tls import certificate, with_certificate
+from tools.launch import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
@@ -129,13 +130,7 @@ class Served:
         return httpx.get(self.base + "/openapi.json", headers={"X-API-Key": key}, verify=self.ctx, timeout=10).status_code
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.log.close()
 
 
