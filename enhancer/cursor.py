@@ -78,6 +78,7 @@ class StreamCursor:
                  atten_lim_db: float | None = None, metadata: bool = False, pool: LanePoolProtocol | None = None,
                  band: str = DEFAULT_BAND, level: str = DEFAULT_LEVEL):
         self.config = engine.config
+        self.upper_head = getattr(engine, "upper_head", None)  # the upper band's learned gains (None: Wiener)
         self.sample_rate = check_rate(sample_rate)
         self.channels = check_channels(channels)
         self.min_gain = min_gain_for(atten_lim_db)
@@ -95,7 +96,8 @@ class StreamCursor:
         sr, c, model_sr = self.sample_rate, self.channels, self.config.stft.sample_rate
         self._rs_in = StreamResampler(sr, model_sr, c)
         self._rs_out = StreamResampler(model_sr, sr, c)
-        self._high = HighBand(self.config, sr, c, self.min_gain) if self.full_band else None
+        self._high = (HighBand(self.config, sr, c, self.min_gain, self.upper_head)
+                      if self.full_band else None)
         self._level = LevelGain(self.config, sr) if self.level == "input" else None
         self._pending = np.zeros((0, c), dtype=np.float32)  # model-rate input not yet stepped
         self._to_drop = self.config.delay_samples  # leading output samples that are pure delay

@@ -15,6 +15,7 @@ import numpy as np
 from .config import ModelConfig
 from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
+from .upperhead import WEIGHTS as HEAD_WEIGHTS, UpperHead
 from .step_io import (
     RING_FORMATS,
     STEP_FORMAT,
@@ -106,6 +107,17 @@ class StepResult:
     activity: np.ndarray  # (k, [T])
 
 
+def load_upper_head(model_path: Path) -> UpperHead | None:
+    """The upper band's learned head for the model at `model_path`: `upperband.npz` beside it, else
+    the shipped one (enhancer/models/ of an installed package, models/ of the checkout); None (the
+    per-band Wiener gains) when there is none."""
+    here = Path(__file__).resolve().parent
+    for d in (model_path.parent, here / "models", here.parent / "models"):
+        if (d / HEAD_WEIGHTS).is_file():
+            return UpperHead.load(d / HEAD_WEIGHTS)
+    return None
+
+
 class Engine:
     """One onnxruntime session of a step graph, with the config read from the model's metadata."""
 
@@ -138,6 +150,7 @@ class Engine:
             raise CheckpointError(f"{path}: step graph format {meta.get('tim_enhancer.step_format', '1')!r}, this runtime "
                                   f"needs {STEP_FORMAT!r}; re-export it from its checkpoint with `enhancer export CKPT -o MODEL`")
         self.path = path
+        self.upper_head = load_upper_head(path)
         self.config = ModelConfig.from_dict(json.loads(meta["tim_enhancer.config"]))
         self.metadata = {k.split(".", 1)[1]: v for k, v in meta.items() if k.startswith("tim_enhancer.")}
         got_in = [i.name for i in self.session.get_inputs()]

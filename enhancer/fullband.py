@@ -18,11 +18,15 @@ bands leave of the model's band, the gain is 0, so the output taken down to 16 k
 * the noise of each band is tracked by a recursive average that the model's speech probability
   freezes while it hears speech, bounded below by the minimum of the band's smoothed level over
   `MIN_WINDOW_S` (so a noise that rises during a long stretch of speech is followed);
-* each band's gain is a Wiener gain on a decision-directed a-priori SNR, at least `SPEECH_FLOOR`,
-  times the model's speech probability to the power `SPEECH_POWER`, so pauses are closed;
 * the speech probability per 16 ms output hop is the model's: its speech `activity` (the mean gain
   over 300 Hz..4 kHz) between `ACTIVITY_OFF` and `ACTIVITY_ON`, times the enhanced low band's
-  presence above its own floor; smoothed with a fast attack and a slower release.
+  presence above its own floor; smoothed with a fast attack and a slower release;
+* each band's gain comes from the learned head (`enhancer.upperhead`, shipped as
+  models/upperband.npz): a small GRU per band that reads the band's SNR against that noise
+  estimate, its neighbours', the speech probability and the model's own gain near 8 kHz (the
+  enhanced low band over the noisy input from 3 to 7.8 kHz, over the window that ends where the
+  frame starts). Without a head the gain is a Wiener gain on a decision-directed a-priori SNR, at
+  least `SPEECH_FLOOR`, times the speech probability to the power `SPEECH_POWER`.
 
 Never below the stream's gain floor (`atten_lim_db`). Everything is causal: the frame whose window
 starts at sample s takes the model's speech probability at s, which is known as soon as the
@@ -38,6 +42,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import AudioError
 from .signal import StreamResampler
+from .upperhead import LOW_EDGES_HZ, UpperHead, features
 
 BANDS = ("full", "speech")
 DEFAULT_BAND = "full"  # above 16 kHz; at 16 kHz and below both bands give the same output
@@ -101,13 +106,21 @@ def band_edges(sample_rate: int) -> np.ndarray:
 class BandGains:
     """Per-band noise tracking and gains of one stream's upper band, frame by frame.
 
-    `step(power, speech)`: the frame's power spectrum (channels, bins) and the model's speech
-    probability (channels,) -> the gain per bin (channels, bins)."""
+    `step(power, speech, low)`: the frame's power spectrum (channels, bins), the model's speech
+    probability (channels,) and, for the learned head, the low band's power spectra (the enhanced
+    and the noisy input's over the last window, the noisy input's over this frame's; each
+    (channels, bins)) -> the gain per bin (channels, bins). Without a head the gain is the
+    per-band Wiener gain below."""
 
-    def __init__(self, sample_rate: int, n_fft: int, hop: int, channels: int):
+    def __init__(self, sample_rate: int, n_fft: int, hop: int, channels: int, head: UpperHead | None = None):
         f = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
         edges = band_edges(sample_rate)
         self.k = len(edges) - 1
+        self.head = head
+        self.centers_hz = 0.5 * (edges[:-1] + edges[1:])
+        low = np.stack([(f >= a) & (f < b) for a, b in zip(LOW_EDGES_HZ[:-1], LOW_EDGES_HZ[1:])]).astype(np.float64)
+        self._low = (low / np.maximum(low.sum(1, keepdims=True), 1.0)).T  # bins -> the low-band cues' bands
+        self._h = head.state((channels, self.k)) if head is not None else None
         idx = np.clip(np.searchsorted(edges, f, side="right") - 1, 0, self.k - 1)
         self._member = np.zeros((self.k, len(f)), np.float64)  # band averaging (bins below 8 kHz: none)
         inside = f >= edges[0]
@@ -132,10 +145,10 @@ class BandGains:
         self.frames = 0
         self.noise = np.zeros((c, self.k))
         self.smooth = np.zeros((c, self.k))
-        self.history: list[np.ndarray] = []  # the smoothed level of the last `min_frames` frames
+        self.history = _RunningMin(self.min_frames)  # the smoothed level of the last `min_frames` frames
         self.clean = np.zeros((c, self.k))  # the last frame's clean power estimate (G^2 P)
 
-    def step(self, power: np.ndarray, speech: np.ndarray) -> np.ndarray:
+    def step(self, power: np.ndarray, speech: np.ndarray, low=None) -> np.ndarray:
         p = power @ self._member.T  # (c, k) mean power per band
         s = speech[:, None]
         if self.frames == 0:
@@ -145,17 +158,49 @@ class BandGains:
             self.noise = a * self.noise + (1.0 - a) * p
             self.smooth = 0.7 * self.smooth + 0.3 * p
         self.frames += 1
-        self.history.append(self.smooth)
-        if len(self.history) > self.min_frames:
-            self.history.pop(0)
-        floor = MIN_BIAS * np.min(self.history, axis=0)
+        floor = MIN_BIAS * self.history.push(self.smooth)
         self.noise = np.maximum(np.minimum(self.noise, self.smooth * 4.0), np.minimum(floor, self.smooth))
+        if self.head is not None:
+            x = features(p, self.noise, speech, *(q @ self._low for q in low), self.centers_hz)
+            g, self._h = self.head.step(x, self._h)
+            return g @ self._interp.T
         n = np.maximum(self.noise, _EPS)
         post = p / n
         prior = DD * self.clean / n + (1.0 - DD) * np.maximum(post - 1.0, 0.0)
         g = np.maximum(prior / (1.0 + prior), SPEECH_FLOOR) * s ** SPEECH_POWER
         self.clean = g * g * p
         return g @ self._interp.T
+
+class _RunningMin:
+    """The minimum of the last `n` values pushed (arrays of one shape)."""
+
+    def __init__(self, n: int):
+        self.n, self.count, self._ring = n, 0, None
+
+    def push(self, value: np.ndarray) -> np.ndarray:
+        if self._ring is None:
+            self._ring = np.empty((self.n,) + np.shape(value), np.float64)
+        self._ring[self.count % self.n] = value
+        self.count += 1
+        return self._ring[:min(self.count, self.n)].min(axis=0)
+
+
+def _window_at(buf: np.ndarray, first: int, start: int, n: int) -> np.ndarray:
+    """Samples [start, start + n) of a buffer that holds the signal from sample `first` on (zeros
+    where it holds nothing), (n, channels) float64."""
+    seg = np.zeros((n, buf.shape[1]), np.float64)
+    a, b = max(start, first), min(start + n, first + len(buf))
+    if b > a:
+        seg[a - start:b - start] = buf[a - first:b - first]
+    return seg
+
+
+def _drop(buf: np.ndarray, first: int, keep: int) -> tuple[np.ndarray, int]:
+    """The buffer without its samples before `keep`."""
+    if keep > first:
+        return buf[keep - first:], keep
+    return buf, first
+
 
 def _sqrt_hann(n: int) -> np.ndarray:
     return np.sqrt(0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(n) / n))
@@ -168,7 +213,8 @@ class HighBand:
     model's results (`put`) and the enhanced low band at the stream's rate (`apply`, `finish`),
     which it returns with the cleaned upper band added, as far as that is known."""
 
-    def __init__(self, config: ModelConfig, sample_rate: int, channels: int, min_gain: float = 0.0):
+    def __init__(self, config: ModelConfig, sample_rate: int, channels: int, min_gain: float = 0.0,
+                 head: UpperHead | None = None):
         st = config.stft
         self.rate, self.model_rate, self.hop, self.channels = sample_rate, st.sample_rate, st.hop, channels
         if config.delay_samples % st.hop:
@@ -180,7 +226,12 @@ class HighBand:
         delay = config.delay_samples * sample_rate // st.sample_rate
         self.fhop = max(16, min(int(FRAME_S * sample_rate), (delay - int(0.004 * sample_rate)) // 2))
         self._window = _sqrt_hann(2 * self.fhop)
-        self._gains = BandGains(sample_rate, 2 * self.fhop, self.fhop, c)
+        self._gains = BandGains(sample_rate, 2 * self.fhop, self.fhop, c, head)
+        self._head = head is not None
+        self._xs = np.zeros((0, c), np.float32)  # (head) the input from sample `_xs0` on
+        self._xs0 = 0
+        self._lows = np.zeros((0, c), np.float32)  # (head) the enhanced low band from sample `_lows0` on
+        self._lows0 = 0
         self._rs_ref = StreamResampler(self.model_rate, sample_rate, c)
         self._x = np.zeros((0, c), np.float32)  # stream-rate input not yet in `_h`
         self._r = np.zeros((0, c), np.float32)  # up(down(x)) not yet in `_h`
@@ -198,7 +249,7 @@ class HighBand:
         self._p = np.zeros(c, np.float64)  # the smoothed speech probability
         self._steps = 0  # model steps put so far
         self._lb_level = np.zeros(c, np.float64)  # smoothed enhanced low-band level
-        self._lb_levels: list[np.ndarray] = []  # its last PRESENCE_HOPS values
+        self._lb_levels = _RunningMin(PRESENCE_HOPS)  # its last PRESENCE_HOPS values
 
     @property
     def held(self) -> int:
@@ -216,6 +267,8 @@ class HighBand:
             self._r = np.concatenate([self._r, r])
         k = min(len(self._x), len(self._r))
         if k:
+            if self._head:
+                self._xs = np.concatenate([self._xs, self._x[:k]])
             self._h = np.concatenate([self._h, self._x[:k] - self._r[:k]])
             self._x, self._r = self._x[k:], self._r[k:]
         if last:  # the input past the reference's end has no upper band
@@ -239,10 +292,7 @@ class HighBand:
         for i in range(len(ts)):  # the enhanced low band against its own floor: is there speech at all?
             lv = enhanced_level[:, i]
             self._lb_level = lv if first + ts[i] == la else LEVEL_SMOOTH * self._lb_level + (1 - LEVEL_SMOOTH) * lv
-            self._lb_levels.append(self._lb_level)
-            if len(self._lb_levels) > PRESENCE_HOPS:
-                self._lb_levels.pop(0)
-            floor = np.maximum(np.min(self._lb_levels, axis=0), PRESENCE_FLOOR * (2 * hop) / 4)
+            floor = np.maximum(self._lb_levels.push(self._lb_level), PRESENCE_FLOOR * (2 * hop) / 4)
             db = 10.0 * np.log10(np.maximum(self._lb_level, 1e-30) / floor)
             presence = np.clip((db - PRESENCE_DB[0]) / (PRESENCE_DB[1] - PRESENCE_DB[0]), 0.0, 1.0)
             self._speech.append(speech[:, i] * presence)
@@ -273,6 +323,11 @@ class HighBand:
             speech = self._speech_at(start)
             if speech is None:
                 return
+            low = None
+            if self._head:
+                if start > self._lows0 + len(self._lows) and not self._ended:
+                    return
+                low = self._low_spectra(start)
             seg = np.zeros((2 * H, self.channels), np.float64)
             a, b = max(start, self._h0), min(end, self._h0 + len(self._h))
             if b > a:
@@ -280,16 +335,20 @@ class HighBand:
             rate = np.where(speech > self._p, ATTACK, RELEASE)
             self._p = self._p + rate * (speech - self._p)
             spec = np.fft.rfft(seg.T * self._window, axis=-1)  # (c, bins)
-            g = np.maximum(self._gains.step(np.abs(spec) ** 2, self._p), self.min_gain)
+            g = np.maximum(self._gains.step(np.abs(spec) ** 2, self._p, low), self.min_gain)
             y = np.fft.irfft(spec * g, 2 * H, axis=-1).T * self._window[:, None]  # (2H, c)
             lo = max(start, self._out0)  # overlap-add into the output from `_out0` on
             if end > lo:
                 need = end - self._out0
-                if len(self._syn) < need:
-                    self._syn = np.concatenate([self._syn, np.zeros((need - len(self._syn), self.channels))])
+                if len(self._syn) < need:  # grown geometrically: zeros past `end` are where later frames add
+                    grow = max(need, 2 * len(self._syn)) - len(self._syn)
+                    self._syn = np.concatenate([self._syn, np.zeros((grow, self.channels))])
                 self._syn[lo - self._out0:end - self._out0] += y[lo - start:]
             self._frame += 1
             keep = f * H  # the next window starts here
+            if self._head:  # the head's windows start two frames earlier
+                self._xs, self._xs0 = _drop(self._xs, self._xs0, keep - 2 * H)
+                self._lows, self._lows0 = _drop(self._lows, self._lows0, keep - 2 * H)
             if keep > self._h0:
                 self._h = self._h[keep - self._h0:]
                 self._h0 = keep
@@ -297,6 +356,14 @@ class HighBand:
             if drop > 0:
                 del self._speech[:drop]
                 self._s0 += drop
+
+    def _low_spectra(self, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(head) The power spectra of the enhanced and the noisy input over the window that ends at
+        `start`, and of the noisy input over the one that starts there (zeros outside the stream)."""
+        n = 2 * self.fhop
+        segs = (_window_at(self._lows, self._lows0, start - n, n), _window_at(self._xs, self._xs0, start - n, n),
+                _window_at(self._xs, self._xs0, start, n))
+        return tuple(np.abs(np.fft.rfft(x.T * self._window, axis=-1)) ** 2 for x in segs)
 
     def _final(self) -> int:
         """Output samples whose upper band is complete: those of frames before the last one done."""
@@ -308,6 +375,8 @@ class HighBand:
         output samples whose upper band is known (the low band plus the cleaned upper band)."""
         if len(y):
             self._y = np.concatenate([self._y, y])
+            if self._head:
+                self._lows = np.concatenate([self._lows, y])
         self._advance()
         return self._emit(min(len(self._y), self._final() - self._out0))
 
@@ -318,6 +387,8 @@ class HighBand:
         y = np.concatenate([self._y, y])[:total]
         if len(y) < total:
             y = np.concatenate([y, np.zeros((total - len(y), self.channels), np.float32)])
+        if self._head:
+            self._lows = np.concatenate([self._lows, y[len(self._y):]])
         self._y = y
         self._advance()
         return self._emit(total)
