@@ -15,7 +15,6 @@ import numpy as np
 from .config import ModelConfig
 from .devices import PROVIDERS
 from .errors import AudioError, CheckpointError
-from .upperhead import WEIGHTS as HEAD_WEIGHTS, UpperHead
 from .step_io import (
     RING_FORMATS,
     STEP_FORMAT,
@@ -27,6 +26,8 @@ from .step_io import (
     ring_views,
     write_rings,
 )
+from .upperhead import WEIGHTS as HEAD_WEIGHTS
+from .upperhead import UpperHead
 
 # Under CUDA: float32 matrix products in float32 (not TF32), so that the GPU's output matches the CPU's
 # within the export's tolerance; the live step is bound by kernel launches, not arithmetic.

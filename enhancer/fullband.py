@@ -37,6 +37,8 @@ speech probability of zero.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .config import ModelConfig
@@ -118,7 +120,7 @@ class BandGains:
         self.k = len(edges) - 1
         self.head = head
         self.centers_hz = 0.5 * (edges[:-1] + edges[1:])
-        low = np.stack([(f >= a) & (f < b) for a, b in zip(LOW_EDGES_HZ[:-1], LOW_EDGES_HZ[1:])]).astype(np.float64)
+        low = np.stack([(f >= a) & (f < b) for a, b in itertools.pairwise(LOW_EDGES_HZ)]).astype(np.float64)
         self._low = (low / np.maximum(low.sum(1, keepdims=True), 1.0)).T  # bins -> the low-band cues' bands
         self._h = head.state((channels, self.k)) if head is not None else None
         idx = np.clip(np.searchsorted(edges, f, side="right") - 1, 0, self.k - 1)
