@@ -21,12 +21,15 @@ bands leave of the model's band, the gain is 0, so the output taken down to 16 k
 * the speech probability per 16 ms output hop is the model's: its speech `activity` (the mean gain
   over 300 Hz..4 kHz) between `ACTIVITY_OFF` and `ACTIVITY_ON`, times the enhanced low band's
   presence above its own floor; smoothed with a fast attack and a slower release;
-* each band's gain comes from the learned head (`enhancer.upperhead`, shipped as
-  models/upperband.npz): a small GRU per band that reads the band's SNR against that noise
+* each band's gain is the larger of two: a Wiener gain on a decision-directed a-priori SNR, at
+  least `SPEECH_FLOOR`, times the speech probability to the power `SPEECH_POWER`; and the learned
+  head's (`enhancer.upperhead`, shipped as models/upperband.npz; at least `HEAD_FLOOR` times the
+  speech probability), a small GRU per band that reads the band's SNR against that noise
   estimate, its neighbours', the speech probability and the model's own gain near 8 kHz (the
   enhanced low band over the noisy input from 3 to 7.8 kHz, over the window that ends where the
-  frame starts). Without a head the gain is a Wiener gain on a decision-directed a-priori SNR, at
-  least `SPEECH_FLOOR`, times the speech probability to the power `SPEECH_POWER`.
+  frame starts). The head removes the noise under the voice that the noise estimate misses; the
+  Wiener gain keeps the voice where the head, trained on real voices, does not hear one. Without
+  a head (a model folder without upperband.npz) the Wiener gain alone.
 
 Never below the stream's gain floor (`atten_lim_db`). Everything is causal: the frame whose window
 starts at sample s takes the model's speech probability at s, which is known as soon as the
@@ -67,6 +70,7 @@ MIN_BIAS = 1.5  # the minimum underestimates the mean noise level by about this 
 DD = 0.9  # decision-directed a-priori SNR: weight of the last frame's clean estimate
 SPEECH_FLOOR = 0.316  # a band's least gain while the model hears speech (-10 dB)
 SPEECH_POWER = 0.5  # the gain scales with the speech probability to this power
+HEAD_FLOOR = 0.178  # the head's least gain while the model hears speech (-15 dB), times the speech probability
 _EPS = 1e-20
 
 
@@ -162,15 +166,15 @@ class BandGains:
         self.frames += 1
         floor = MIN_BIAS * self.history.push(self.smooth)
         self.noise = np.maximum(np.minimum(self.noise, self.smooth * 4.0), np.minimum(floor, self.smooth))
-        if self.head is not None:
-            x = features(p, self.noise, speech, *(q @ self._low for q in low), self.centers_hz)
-            g, self._h = self.head.step(x, self._h)
-            return g @ self._interp.T
         n = np.maximum(self.noise, _EPS)
         post = p / n
         prior = DD * self.clean / n + (1.0 - DD) * np.maximum(post - 1.0, 0.0)
         g = np.maximum(prior / (1.0 + prior), SPEECH_FLOOR) * s ** SPEECH_POWER
         self.clean = g * g * p
+        if self.head is not None:  # the larger of the two: a band either of them hears the voice in stays open
+            x = features(p, self.noise, speech, *(q @ self._low for q in low), self.centers_hz)
+            learned, self._h = self.head.step(x, self._h)
+            g = np.maximum(g, np.maximum(learned, HEAD_FLOOR * s))
         return g @ self._interp.T
 
 class _RunningMin:

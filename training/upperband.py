@@ -3,6 +3,16 @@
     python -m training.upperband --out runs/upperband                  # collect, train, export
     python -m training.upperband --out runs/upperband --data CORPUS --mixtures 800 --epochs 20
 
+The shipped head was trained in these steps (which mixtures are drawn follows the seed): 800
+mixtures, 20 epochs; then 300 more whose noise is only above 8.2-9.5 kHz (`--highpass-share 1`,
+collected into a second folder), and 8 epochs on both from the first head's weights at a third of
+the learning rate:
+
+    python -m training.upperband --out runs/ub1
+    python -m training.upperband --out runs/ub2 --seed 21 --mixtures 300 --highpass-share 1 --epochs 0
+    python -m training.upperband --out runs/ub3 --frames runs/ub1/frames.npz --frames runs/ub2/frames.npz \
+        --init runs/ub1/upperband.npz --epochs 8 --lr 1e-3
+
 The step graph stays frozen; the head learns one gain per upper band and 10 ms frame.
 
 1. **Collect.** Full-band mixtures of the corpus's *training* rows (speech at >= 44.1 kHz whose
@@ -14,9 +24,10 @@ The step graph stays frozen; the head learns one gain per upper band and 10 ms f
    clean's full-band power (which frames are speech). Written to `frames.npz`.
 2. **Train** (torch, CPU): a linear layer, a GRU and a sigmoid per band (weights shared across
    bands), on whole mixtures, minimising the error energy a gain leaves, alpha (g - 1)^2 S + g^2 N,
-   summed over frames and bands and divided by the mixture's noise energy; Adam with a cosine
-   schedule. Every epoch is scored on held-out mixtures by the noise removed under speech and the
-   level in speech; the epoch that removes the most with its level within 3 dB is kept.
+   summed over frames and bands and divided by the mixture's noise energy, plus `lsd_weight` times
+   the mean square log-ratio of the output's band power to the clean's in speech frames (floored
+   at 1e-4 of the clean's mean); Adam with a cosine schedule to zero; the last epoch is kept. Every
+   epoch is scored on held-out mixtures (the noise removed under speech, the level in speech).
 3. **Export** `upperband.npz` (float32 arrays, no pickle) for `enhancer.upperhead.UpperHead`.
 
 The evaluation sets (`training.peers.fullband`) use the corpus's *valid* rows only.
@@ -41,8 +52,10 @@ RATES = (44100, 48000)
 
 
 # ---------------------------------------------------------------------- collect
-def mixtures(data: Path, n: int, seed: int):
-    """Yield n (clean, noise, rate) full-band training mixtures (float32, at `rate`)."""
+def mixtures(data: Path, n: int, seed: int, highpass_share: float = 0.0):
+    """Yield n (clean, noise, rate) full-band training mixtures (float32, at `rate`); in a share
+    `highpass_share` of them the noise is kept only above 8.2-9.5 kHz (a hiss over a low band that
+    is silent in pauses)."""
     rng = np.random.default_rng(seed)
     speech = [r for r in fb._rows(data, "speech_train.tsv")
               if int(r["sample_rate"]) >= 44100 and float(r["bandwidth_hz"]) > 16000]
@@ -83,6 +96,10 @@ def mixtures(data: Path, n: int, seed: int):
             nz.append(x)
             used += len(x)
         noise_ = np.concatenate(nz)[:len(clean)]
+        if rng.random() < highpass_share:
+            spec = np.fft.rfft(noise_)
+            spec[np.fft.rfftfreq(len(noise_), 1 / RATE) < rng.uniform(8200.0, 9500.0)] = 0
+            noise_ = np.fft.irfft(spec, len(noise_)).astype(np.float32)
         snr = rng.uniform(*SNR_DB)
         noise_ = noise_ * np.sqrt(np.mean(clean ** 2) / (np.mean(noise_ ** 2) + 1e-20)) * 10 ** (-snr / 20)
         peak = np.abs(clean + noise_).max()
@@ -126,7 +143,8 @@ def frame_targets(clean: np.ndarray, noise: np.ndarray, sr: int, frames: int, fh
     return np.array(S, np.float32), np.array(N, np.float32), np.array(CL, np.float32)
 
 
-def collect(data: Path, n: int, seed: int, out: Path, model: Path | None = None, log=print) -> Path:
+def collect(data: Path, n: int, seed: int, out: Path, model: Path | None = None, highpass_share: float = 0.0,
+            log=print) -> Path:
     """Write `out` (npz): per mixture m, `m_X` (frames, K, F) features, `m_S`, `m_N` (frames, K),
     `m_CL` (frames,), `m_sr`."""
     from enhancer.fullband import BandGains, HighBand
@@ -134,7 +152,7 @@ def collect(data: Path, n: int, seed: int, out: Path, model: Path | None = None,
 
     enh = Enhancer.from_pretrained(model, providers=["CPUExecutionProvider"])
     arrays, t0 = {}, time.time()
-    for i, (clean, noise, sr) in enumerate(mixtures(data, n, seed)):
+    for i, (clean, noise, sr) in enumerate(mixtures(data, n, seed, highpass_share)):
         rec = _Recorder()
         enh.engine.upper_head = rec
         enh.enhance(clean + noise, sr)
@@ -175,9 +193,11 @@ def score(gains: list[np.ndarray], items: list[dict]) -> tuple[float, float]:
     return float(np.mean(removed)), float(np.mean(level))
 
 
-def train(items: list[dict], held: list[dict], hidden: int = 48, epochs: int = 20, alpha: float = 1.0,
-          lr: float = 3e-3, batch: int = 16, seed: int = 0, log=print) -> dict:
-    """Train the head; returns the kept epoch's weights as `UpperHead` arrays."""
+def train(items: list[dict], held: list[dict], hidden: int = 48, epochs: int = 20, alpha: float = 1.6,
+          lsd_weight: float = 0.2, lr: float = 3e-3, batch: int = 16, seed: int = 0, init: dict | None = None,
+          log=print) -> dict:
+    """Train the head (from `init`, `UpperHead` arrays, when given); returns the last epoch's
+    weights as `UpperHead` arrays."""
     import torch
 
     torch.manual_seed(seed)
@@ -195,28 +215,37 @@ def train(items: list[dict], held: list[dict], hidden: int = 48, epochs: int = 2
             h, _ = self.gru(torch.relu(self.inp(x)))
             return torch.sigmoid(self.out(h))[..., 0]
 
+    names = {"inp_w": "inp.weight", "inp_b": "inp.bias", "w_ih": "gru.weight_ih_l0", "w_hh": "gru.weight_hh_l0",
+             "b_ih": "gru.bias_ih_l0", "b_hh": "gru.bias_hh_l0", "out_w": "out.weight", "out_b": "out.bias"}
     net = Head()
+    if init is not None:
+        net.load_state_dict({v: torch.tensor(np.asarray(init[k], np.float32)) for k, v in names.items()})
     opt = torch.optim.Adam(net.parameters(), lr)
 
     def stack(group):
         t = max(it["X"].shape[1] for it in group)
         pad = lambda a: np.pad(a, [(0, 0), (0, t - a.shape[1])] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        x = np.concatenate([pad(it["X"]) for it in group])
-        s = np.concatenate([pad(it["S"]) / it["N"].sum() for it in group])
-        n = np.concatenate([pad(it["N"]) / it["N"].sum() for it in group])
-        return torch.tensor(x), torch.tensor(s, dtype=torch.float32), torch.tensor(n, dtype=torch.float32)
+        f32 = lambda a: torch.tensor(np.concatenate(a), dtype=torch.float32)  # noqa: E731
+        k = [it["X"].shape[0] for it in group]
+        return (torch.tensor(np.concatenate([pad(it["X"]) for it in group])),
+                f32([pad(it["S"]) for it in group]), f32([pad(it["N"]) for it in group]),
+                f32([np.full((kk, 1), it["N"].sum()) for kk, it in zip(k, group)]),
+                f32([np.repeat(pad(it["speech"][None].astype(np.float64)), kk, 0) for kk, it in zip(k, group)]),
+                f32([np.full((kk, 1), 1e-4 * it["S"][:, it["speech"]].mean()) for kk, it in zip(k, group)]))
 
     def gains(group):
         with torch.no_grad():
             return [net(torch.tensor(it["X"])).numpy().astype(np.float64) for it in group]
 
-    best, kept = -np.inf, None
     for epoch in range(epochs):
         order = rng.permutation(len(items))
         for b in range(0, len(items), batch):
-            x, s, n = stack([items[i] for i in order[b:b + batch]])
+            x, s, n, total, speech, floor = stack([items[i] for i in order[b:b + batch]])
             g = net(x)
-            loss = (alpha * (g - 1) ** 2 * s + g ** 2 * n).sum() / len(order[b:b + batch])
+            loss = ((alpha * (g - 1) ** 2 * s + g ** 2 * n) / total).sum() / len(order[b:b + batch])
+            if lsd_weight > 0:
+                d = torch.log10((g ** 2 * (s + n) + floor) / (s + floor))
+                loss = loss + lsd_weight * (d ** 2 * speech).sum() / speech.sum().clamp(min=1.0)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -225,13 +254,7 @@ def train(items: list[dict], held: list[dict], hidden: int = 48, epochs: int = 2
             group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * (epoch + 1) / epochs))
         removed, level = score(gains(held), held)
         log(f"epoch {epoch}: held-out noise removed under speech {removed:.2f} dB, level {level:+.2f} dB")
-        if removed > best and abs(level) <= 3.0:
-            best = removed
-            kept = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    if kept is None:
-        kept = net.state_dict()
-    names = {"inp_w": "inp.weight", "inp_b": "inp.bias", "w_ih": "gru.weight_ih_l0", "w_hh": "gru.weight_hh_l0",
-             "b_ih": "gru.bias_ih_l0", "b_hh": "gru.bias_hh_l0", "out_w": "out.weight", "out_b": "out.bias"}
+    kept = net.state_dict()
     return {k: kept[v].numpy().astype(np.float32) for k, v in names.items()}
 
 
@@ -248,7 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-out", type=int, default=40, help="of those, kept out of training to score epochs")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--hidden", type=int, default=48)
-    p.add_argument("--alpha", type=float, default=1.0, help="weight of the speech distortion term (default 1)")
+    p.add_argument("--alpha", type=float, default=1.6, help="weight of the speech distortion term (default 1.6)")
+    p.add_argument("--lsd-weight", type=float, default=0.2, help="weight of the log-spectral term (default 0.2)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--highpass-share", type=float, default=0.0,
+                   help="share of mixtures whose noise is kept only above 8.2-9.5 kHz (default 0)")
+    p.add_argument("--frames", type=Path, action="append", default=None,
+                   help="train on these collected frames.npz (repeatable) instead of collecting into --out")
+    p.add_argument("--init", type=Path, default=None, help="start from these head weights (an upperband.npz)")
     p.add_argument("--seed", type=int, default=12)
     return p
 
@@ -257,12 +287,18 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    frames = a.out / "frames.npz"
-    if not frames.exists():
-        collect(a.data, a.mixtures, a.seed, frames, a.model, log)
-    items = load_frames(frames)
+    sources = a.frames
+    if not sources:
+        sources = [a.out / "frames.npz"]
+        if not sources[0].exists():
+            collect(a.data, a.mixtures, a.seed, sources[0], a.model, a.highpass_share, log)
+    items = [it for f in sources for it in load_frames(f)]
     held, rest = items[:a.held_out], items[a.held_out:]
-    weights = train(rest, held, a.hidden, a.epochs, a.alpha, seed=a.seed, log=log)
+    init = None
+    if a.init is not None:
+        with np.load(a.init, allow_pickle=False) as z:
+            init = {k: z[k] for k in z.files}
+    weights = train(rest, held, a.hidden, a.epochs, a.alpha, a.lsd_weight, a.lr, seed=a.seed, init=init, log=log)
     np.savez(a.out / "upperband.npz", **weights)
     (a.out / "train.json").write_text(json.dumps(vars(a) | {"out": str(a.out), "data": str(a.data),
                                                             "model": str(a.model)}, indent=1))
