@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import soxr
 
-from training.peers import fullband as fb
+from training.data import fullband as fb
 
 RATE = fb.RATE
 SNR_DB = (-5.0, 25.0)
@@ -57,14 +57,14 @@ def mixtures(data: Path, n: int, seed: int, highpass_share: float = 0.0):
     `highpass_share` of them the noise is kept only above 8.2-9.5 kHz (a hiss over a low band that
     is silent in pauses)."""
     rng = np.random.default_rng(seed)
-    speech = [r for r in fb._rows(data, "speech_train.tsv")
+    speech = [r for r in fb.rows(data, "speech_train.tsv")
               if int(r["sample_rate"]) >= 44100 and float(r["bandwidth_hz"]) > 16000]
-    noise = [r for r in fb._rows(data, "noise_train.tsv")
+    noise = [r for r in fb.rows(data, "noise_train.tsv")
              if int(r["sample_rate"]) >= 44100 and float(r["bandwidth_hz"]) > 16000 and float(r["seconds"]) >= 1.0]
     loaded = {}
     for r in noise:
-        x = fb._load(data, r["path"])
-        if np.sqrt(np.mean(x ** 2)) >= 1e-4 and fb._upper_share(x) >= fb.NOISE_UPPER_SHARE:
+        x = fb.load(data, r["path"])
+        if np.sqrt(np.mean(x ** 2)) >= 1e-4 and fb.upper_share(x) >= fb.NOISE_UPPER_SHARE:
             loaded[r["path"]] = x
     noises = sorted(loaded)
     voices: dict[str, list[dict]] = {}
@@ -79,8 +79,8 @@ def mixtures(data: Path, n: int, seed: int, highpass_share: float = 0.0):
         target = rng.uniform(6.0, 8.0)
         parts, total = [np.zeros(int(rng.uniform(0.3, 0.6) * RATE), np.float32)], 0.0
         for j in rng.permutation(len(voices[voice]))[:40]:
-            c = fb._trim(fb._load(data, voices[voice][j]["path"]))
-            if fb._upper_share(c) < 1e-4:
+            c = fb.trim(fb.load(data, voices[voice][j]["path"]))
+            if fb.upper_share(c) < 1e-4:
                 continue
             c = c / (np.sqrt(np.mean(c ** 2)) + 1e-9) * 10 ** (rng.uniform(*SPEECH_LEVEL_DB) / 20)
             parts += [c, np.zeros(int(rng.uniform(0.3, 0.9) * RATE), np.float32)]

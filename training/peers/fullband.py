@@ -33,7 +33,6 @@ Writes fullband.json (per file and mean) and fullband.md (the table) into --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -43,45 +42,20 @@ from pathlib import Path
 import numpy as np
 import soxr
 
-RATE = 44100
+from training.data.fullband import NOISE_UPPER_SHARE, RATE, SPEECH_DB
+from training.data.fullband import load as _load
+from training.data.fullband import rows as _rows
+from training.data.fullband import trim as _trim
+from training.data.fullband import upper_share as _upper_share
+
 RATES = (44100, 48000)
 BAND_HZ = (8000.0, 20000.0)
 N_FFT, HOP = 1024, 512
-SPEECH_DB, PAUSE_DB, PAUSE_MARGIN = -30.0, -50.0, 6
+PAUSE_DB, PAUSE_MARGIN = -50.0, 6
 FLOOR = 1e-10  # -100 dB power floor of the log-spectral distance
-NOISE_UPPER_SHARE = 0.05  # a noise of the set has at least this share of its energy above 8 kHz
 
 
 # ---------------------------------------------------------------------- the set
-def _rows(data: Path, name: str) -> list[dict]:
-    with open(data / "manifests" / name, newline="") as f:
-        return list(csv.DictReader(f, delimiter="\t"))
-
-
-def _load(data: Path, path: str) -> np.ndarray:
-    import soundfile as sf
-
-    x, sr = sf.read(data / path, dtype="float32", always_2d=True)
-    x = x.mean(axis=1)
-    if sr != RATE:
-        x = soxr.resample(x, sr, RATE, quality="VHQ").astype(np.float32)
-    return x
-
-
-def _upper_share(x: np.ndarray) -> float:
-    p = np.abs(np.fft.rfft(x)) ** 2
-    f = np.fft.rfftfreq(len(x), 1.0 / RATE)
-    return float(p[f > 8200].sum() / max(p.sum(), 1e-20))
-
-
-def _trim(x: np.ndarray) -> np.ndarray:
-    """Drop leading/trailing near-silence (below -50 dB of the clip's peak, 10 ms frames)."""
-    f = 441
-    e = np.array([np.mean(x[i:i + f] ** 2) for i in range(0, len(x), f)])
-    on = np.flatnonzero(e > e.max() * 1e-5)
-    return x[on[0] * f:(on[-1] + 1) * f] if len(on) else x
-
-
 def build_set(n_files: int, seed: int, split: int, data: Path) -> list[dict]:
     """n_files mixtures at 44.1 kHz from the corpus at `data`: clean, noise (scaled), noisy; `split`
     0/1 takes every other clip of each voice and noise (0: the reported set, 1: a disjoint set for
