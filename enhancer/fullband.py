@@ -363,13 +363,14 @@ class HighBand:
                 del self._speech[:drop]
                 self._s0 += drop
 
-    def _low_spectra(self, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(head) The power spectra of the enhanced and the noisy input over the window that ends at
-        `start`, and of the noisy input over the one that starts there (zeros outside the stream)."""
+    def _low_spectra(self, start: int) -> np.ndarray:
+        """(head) The power spectra (3, channels, bins) of the enhanced and the noisy input over the
+        window that ends at `start`, and of the noisy input over the one that starts there (zeros
+        outside the stream), in one transform."""
         n = 2 * self.fhop
-        segs = (_window_at(self._lows, self._lows0, start - n, n), _window_at(self._xs, self._xs0, start - n, n),
-                _window_at(self._xs, self._xs0, start, n))
-        return tuple(np.abs(np.fft.rfft(x.T * self._window, axis=-1)) ** 2 for x in segs)
+        segs = np.stack([_window_at(self._lows, self._lows0, start - n, n), _window_at(self._xs, self._xs0, start - n, n),
+                         _window_at(self._xs, self._xs0, start, n)], 1)  # (n, 3, c)
+        return (np.abs(np.fft.rfft(segs.T * self._window, axis=-1)) ** 2).transpose(1, 0, 2)
 
     def _final(self) -> int:
         """Output samples whose upper band is complete: those of frames before the last one done."""
