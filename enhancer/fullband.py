@@ -177,6 +177,7 @@ class BandGains:
             g = np.maximum(g, np.maximum(learned, HEAD_FLOOR * s))
         return g @ self._interp.T
 
+
 class _RunningMin:
     """The minimum of the last `n` values pushed (arrays of one shape)."""
 
