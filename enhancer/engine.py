@@ -109,14 +109,10 @@ class StepResult:
 
 
 def load_upper_head(model_path: Path) -> UpperHead | None:
-    """The upper band's learned head for the model at `model_path`: `upperband.npz` beside it, else
-    the shipped one (enhancer/models/ of an installed package, models/ of the checkout); None (the
-    per-band Wiener gains) when there is none."""
-    here = Path(__file__).resolve().parent
-    for d in (model_path.parent, here / "models", here.parent / "models"):
-        if (d / HEAD_WEIGHTS).is_file():
-            return UpperHead.load(d / HEAD_WEIGHTS)
-    return None
+    """The upper band's learned head of the model at `model_path`: `upperband.npz` beside it; None
+    (the per-band Wiener gains alone) when there is none, as for the shipped model."""
+    path = Path(model_path).parent / HEAD_WEIGHTS
+    return UpperHead.load(path) if path.is_file() else None
 
 
 class Engine:

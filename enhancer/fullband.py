@@ -22,14 +22,12 @@ bands leave of the model's band, the gain is 0, so the output taken down to 16 k
   over 300 Hz..4 kHz) between `ACTIVITY_OFF` and `ACTIVITY_ON`, times the enhanced low band's
   presence above its own floor; smoothed with a fast attack and a slower release;
 * each band's gain is the larger of two: a Wiener gain on a decision-directed a-priori SNR, at
-  least `SPEECH_FLOOR`, times the speech probability to the power `SPEECH_POWER`; and the learned
-  head's (`enhancer.upperhead`, shipped as models/upperband.npz; at least `HEAD_FLOOR` times the
-  speech probability), a small GRU per band that reads the band's SNR against that noise
-  estimate, its neighbours', the speech probability and the model's own gain near 8 kHz (the
-  enhanced low band over the noisy input from 3 to 7.8 kHz, over the window that ends where the
-  frame starts). The head removes the noise under the voice that the noise estimate misses; the
-  Wiener gain keeps the voice where the head, trained on real voices, does not hear one. Without
-  a head (a model folder without upperband.npz) the Wiener gain alone.
+  least `SPEECH_FLOOR`, times the speech probability to the power `SPEECH_POWER`; and, for a model
+  with an upper-band head beside it (`upperband.npz`, `enhancer.upperhead`; the shipped model
+  has none), the head's (at least `HEAD_FLOOR` times the speech probability): a small GRU per band
+  that reads the band's SNR against that noise estimate, its neighbours', the speech probability
+  and the model's own gain near 8 kHz (the enhanced low band over the noisy input from 3 to 7.8
+  kHz, over the window that ends where the frame starts).
 
 Never below the stream's gain floor (`atten_lim_db`). Everything is causal: the frame whose window
 starts at sample s takes the model's speech probability at s, which is known as soon as the

@@ -11,9 +11,9 @@ is known at that frame:
 * the enhanced low band's and the noisy input's power in those bands against the band's own.
 
 A linear layer, a GRU and a sigmoid give the band's gain; its state carries each band's history.
-One set of weights serves every band and every rate (the bands differ by their place). The
-weights (`models/upperband.npz`) were trained with the model frozen on full-band mixtures of the
-corpus's training split, on the energy of the error a gain leaves, (g - 1)^2 S + g^2 N.
+One set of weights serves every band and every rate (the bands differ by their place). Weights
+(`upperband.npz` beside a model; the shipped model has none) come from `training.upperband`, with
+the model frozen, on full-band mixtures of the corpus's training rows.
 """
 from __future__ import annotations
 

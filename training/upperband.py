@@ -1,12 +1,11 @@
-"""Train the upper band's learned head (`enhancer.upperhead`, shipped as models/upperband.npz).
+"""Train the upper band's learned head (`enhancer.upperhead`; an upperband.npz beside a model).
 
     python -m training.upperband --out runs/upperband                  # collect, train, export
     python -m training.upperband --out runs/upperband --data CORPUS --mixtures 800 --epochs 20
 
-The shipped head was trained in these steps (which mixtures are drawn follows the seed): 800
-mixtures, 20 epochs; then 300 more whose noise is only above 8.2-9.5 kHz (`--highpass-share 1`,
-collected into a second folder), and 8 epochs on both from the first head's weights at a third of
-the learning rate:
+In steps (the head measured in training/README.md): 800 mixtures, 20 epochs; then 300 more whose
+noise is only above 8.2-9.5 kHz (`--highpass-share 1`, collected into a second folder), and 8
+epochs on both from the first head's weights at a third of the learning rate:
 
     python -m training.upperband --out runs/ub1
     python -m training.upperband --out runs/ub2 --seed 21 --mixtures 300 --highpass-share 1 --epochs 0

@@ -231,13 +231,11 @@ def test_noise_under_the_voice_is_removed_above_8_khz():
 @pytest.mark.parametrize("sr", [44100, 48000])
 def test_the_full_band_taken_to_16k_is_the_models_band(enhancer_rt, sr):
     """Below 8 kHz nothing is added back: the full-band output taken down to 16 kHz is the speech
-    band's (so PESQ and DNSMOS of the full band are the 16 kHz path's), to within what the
-    downsampler's transition band lets through of the cleaned band just above 8 kHz (-50 dB of the
-    peak)."""
+    band's (so PESQ and DNSMOS of the full band are the 16 kHz path's)."""
     import soxr
 
     x = noisy(sr, 1.5, seed=9)
     full, speech = enhancer_rt.enhance(x, sr), enhancer_rt.enhance(x, sr, band="speech")
     assert upper_share(full, sr) > 10 * upper_share(speech, sr)  # the upper band is there
     down = [soxr.resample(y, sr, 16000, quality="VHQ") for y in (full, speech)]
-    assert_close_to_peak(down[0], down[1], rel=3e-3)
+    assert_close_to_peak(down[0], down[1], rel=1e-3)

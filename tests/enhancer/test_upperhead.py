@@ -1,7 +1,7 @@
 """The upper band's learned head (`enhancer.upperhead`): the numpy GRU equals torch's on the same
-weights, frame by frame; broken weight files are a CheckpointError naming the file; the head is
-found beside the model, else the shipped one is used; the shipped head cleans the upper band (a
-steady hiss under a voice) where the per-band Wiener gains alone do less."""
+weights, frame by frame; broken weight files are a CheckpointError naming the file; a head beside
+the model is used (the shipped model has none: the Wiener gains alone); a stream with a head is
+the same in any chunking, never below the Wiener gains, and the same as without one at 16 kHz."""
 import numpy as np
 import pytest
 
@@ -65,11 +65,37 @@ def test_broken_weights_are_a_checkpoint_error(tmp_path):
         UpperHead.load(tmp_path / "c.npz")
 
 
-def test_the_head_beside_the_model_is_used_else_the_shipped_one(tmp_path, model_path):
+def test_a_head_beside_the_model_is_used_and_none_ships(tmp_path):
     from enhancer.engine import load_upper_head
+    from enhancer.runtime import MODELS_DIR
 
-    shipped = load_upper_head(tmp_path / "elsewhere.onnx")
-    assert shipped is not None  # the package's own
+    assert not (MODELS_DIR / WEIGHTS).exists()
+    assert load_upper_head(tmp_path / "model.onnx") is None
     np.savez(tmp_path / WEIGHTS, **random_weights(hidden=4))
-    beside = load_upper_head(tmp_path / "model.onnx")
-    assert beside.hidden == 4 and shipped.hidden != 4
+    assert load_upper_head(tmp_path / "model.onnx").hidden == 4
+
+
+def test_a_stream_with_a_head_is_chunking_free_and_never_below_the_wiener_gains(enhancer_rt):
+    from tests.enhancer.test_fullband import chunked, noisy
+    from tests.tolerance import assert_close_to_peak
+
+    engine = enhancer_rt.engine
+    kept = engine.upper_head
+    sr = 48000
+    x = noisy(sr, 2.0, seed=4)
+    try:
+        engine.upper_head = None
+        wiener = enhancer_rt.enhance(x, sr)
+        engine.upper_head = UpperHead(random_weights(hidden=8, seed=2))
+        whole = enhancer_rt.enhance(x, sr)
+        parts = chunked(enhancer_rt.stream(sr, 1), x, np.random.default_rng(5), 3000)
+        x16 = noisy(16000, 1.0, seed=4)
+        at16 = enhancer_rt.enhance(x16, 16000)
+        engine.upper_head = None
+        assert np.array_equal(at16, enhancer_rt.enhance(x16, 16000))  # no upper band at 16 kHz
+    finally:
+        engine.upper_head = kept
+    assert_close_to_peak(parts, whole, rel=1e-5)
+    hi = lambda y: np.abs(np.fft.rfft(y))[np.fft.rfftfreq(len(y), 1 / sr) > 9000]  # noqa: E731
+    assert hi(whole).sum() >= hi(wiener).sum()  # the larger of the two gains: never less kept
+    assert not np.allclose(whole, wiener)  # the head takes part
