@@ -130,7 +130,7 @@ class BandGains:
         inside = f >= edges[0]
         self._member[idx[inside], np.flatnonzero(inside)] = 1.0
         self._member /= np.maximum(self._member.sum(1, keepdims=True), 1.0)
-        centers = _erb_rate(0.5 * (edges[:-1] + edges[1:]))
+        centers = _erb_rate(self.centers_hz)
         self._interp = np.zeros((len(f), self.k), np.float64)  # band gains -> bin gains, linear in ERB rate
         e = _erb_rate(f)
         for i, x in enumerate(e):
@@ -333,10 +333,7 @@ class HighBand:
                 if start > self._lows0 + len(self._lows) and not self._ended:
                     return
                 low = self._low_spectra(start)
-            seg = np.zeros((2 * H, self.channels), np.float64)
-            a, b = max(start, self._h0), min(end, self._h0 + len(self._h))
-            if b > a:
-                seg[a - start:b - start] = self._h[a - self._h0:b - self._h0]
+            seg = _window_at(self._h, self._h0, start, 2 * H)
             rate = np.where(speech > self._p, ATTACK, RELEASE)
             self._p = self._p + rate * (speech - self._p)
             spec = np.fft.rfft(seg.T * self._window, axis=-1)  # (c, bins)
@@ -354,9 +351,7 @@ class HighBand:
             if self._head:  # the head's windows start two frames earlier
                 self._xs, self._xs0 = _drop(self._xs, self._xs0, keep - 2 * H)
                 self._lows, self._lows0 = _drop(self._lows, self._lows0, keep - 2 * H)
-            if keep > self._h0:
-                self._h = self._h[keep - self._h0:]
-                self._h0 = keep
+            self._h, self._h0 = _drop(self._h, self._h0, keep)
             drop = max(keep, 0) * self.model_rate // (self.rate * self.hop) - self._s0  # hops no window needs
             if drop > 0:
                 del self._speech[:drop]
