@@ -78,7 +78,7 @@ class StreamCursor:
                  atten_lim_db: float | None = None, metadata: bool = False, pool: LanePoolProtocol | None = None,
                  band: str = DEFAULT_BAND, level: str = DEFAULT_LEVEL):
         self.config = engine.config
-        self.upper_head = getattr(engine, "upper_head", None)  # the upper band's learned gains (None: Wiener)
+        self.upper_head = engine.upper_head  # the upper band's learned gains (None: the Wiener gains alone)
         self.sample_rate = check_rate(sample_rate)
         self.channels = check_channels(channels)
         self.min_gain = min_gain_for(atten_lim_db)

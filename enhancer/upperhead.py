@@ -76,7 +76,6 @@ class UpperHead:
         self.inp_w, self.inp_b = a["inp_w"].T.copy(), a["inp_b"]
         self.w_ih, self.w_hh, self.b_ih, self.b_hh = a["w_ih"].T.copy(), a["w_hh"].T.copy(), a["b_ih"], a["b_hh"]
         self.out_w, self.out_b = a["out_w"].reshape(-1), float(a["out_b"].reshape(-1)[0])
-        self.n_features = a["inp_w"].shape[1]
 
     @classmethod
     def load(cls, path: Path) -> UpperHead:
@@ -90,7 +89,7 @@ class UpperHead:
         return np.zeros(shape + (self.hidden,), np.float32)
 
     def step(self, x: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """x (..., n_features), h (..., hidden) -> (gain (...), next h)."""
+        """x (..., features), h (..., hidden) -> (gain (...), next h)."""
         u = np.maximum(x @ self.inp_w + self.inp_b, 0.0)
         gi = u @ self.w_ih + self.b_ih
         gh = h @ self.w_hh + self.b_hh

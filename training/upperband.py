@@ -114,8 +114,8 @@ def mixtures(data: Path, n: int, seed: int, highpass_share: float = 0.0):
 class _Recorder:
     """A head that keeps the features it is given (and gives gain 1, which nothing reads)."""
 
-    def __init__(self, n_features: int = 21):
-        self.hidden, self.n_features, self.frames = 1, n_features, []
+    def __init__(self):
+        self.hidden, self.frames = 1, []
 
     def state(self, shape):
         return np.zeros(shape + (1,), np.float32)
@@ -146,7 +146,7 @@ def collect(data: Path, n: int, seed: int, out: Path, model: Path | None = None,
             log=print) -> Path:
     """Write `out` (npz): per mixture m, `m_X` (frames, K, F) features, `m_S`, `m_N` (frames, K),
     `m_CL` (frames,), `m_sr`."""
-    from enhancer.fullband import BandGains, HighBand
+    from enhancer.fullband import HighBand
     from enhancer.runtime import Enhancer
 
     enh = Enhancer.from_pretrained(model, providers=["CPUExecutionProvider"])
@@ -155,10 +155,9 @@ def collect(data: Path, n: int, seed: int, out: Path, model: Path | None = None,
         rec = _Recorder()
         enh.engine.upper_head = rec
         enh.enhance(clean + noise, sr)
-        band = HighBand(enh.config, sr, 1)
-        member = BandGains(sr, 2 * band.fhop, band.fhop, 1)._member
+        band = HighBand(enh.config, sr, 1)  # its framing and band matrix: the runtime's
         X = np.stack(rec.frames)
-        S, N, CL = frame_targets(clean, noise, sr, len(X), band.fhop, member)
+        S, N, CL = frame_targets(clean, noise, sr, len(X), band.fhop, band._gains._member)
         key = f"m{i:04d}"
         arrays.update({f"{key}_X": X, f"{key}_S": S, f"{key}_N": N, f"{key}_CL": CL, f"{key}_sr": np.array(sr)})
         if (i + 1) % 50 == 0:
@@ -174,8 +173,8 @@ def load_frames(path: Path) -> list[dict]:
         items = []
         for k in keys:
             S, N, CL = (z[f"{k}_{s}"].astype(np.float64) for s in ("S", "N", "CL"))
-            level = 10 * np.log10(CL + 1e-20)
-            speech = level >= np.percentile(level, 95) + fb.SPEECH_DB
+            level, loud = fb.frame_levels(CL)
+            speech = level >= loud + fb.SPEECH_DB
             items.append({"X": np.transpose(z[f"{k}_X"], (1, 0, 2)), "S": S.T, "N": N.T, "speech": speech})
     return items
 

@@ -41,3 +41,10 @@ def trim(x: np.ndarray) -> np.ndarray:
     e = np.array([np.mean(x[i:i + f] ** 2) for i in range(0, len(x), f)])
     on = np.flatnonzero(e > e.max() * 1e-5)
     return x[on[0] * f:(on[-1] + 1) * f] if len(on) else x
+
+
+def frame_levels(frame_power: np.ndarray) -> tuple[np.ndarray, float]:
+    """Each frame's level in dB and the loud frames' level (their 95th percentile): speech frames
+    are those at or above loud + SPEECH_DB."""
+    level = 10 * np.log10(np.asarray(frame_power) + 1e-20)
+    return level, np.percentile(level, 95)

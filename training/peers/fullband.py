@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import soxr
 
-from training.data.fullband import NOISE_UPPER_SHARE, RATE, SPEECH_DB
+from training.data.fullband import NOISE_UPPER_SHARE, RATE, SPEECH_DB, frame_levels
 from training.data.fullband import load as _load
 from training.data.fullband import rows as _rows
 from training.data.fullband import trim as _trim
@@ -130,8 +130,7 @@ def _power(x: np.ndarray, sr: int) -> tuple[np.ndarray, np.ndarray]:
 def frame_classes(clean: np.ndarray, sr: int) -> tuple[np.ndarray, np.ndarray]:
     """(speech frames, pause frames) by the clean speech's full-band level."""
     p, _ = _power(clean, sr)
-    level = 10 * np.log10(p.sum(-1) + 1e-20)
-    loud = np.percentile(level, 95)
+    level, loud = frame_levels(p.sum(-1))
     speech = level >= loud + SPEECH_DB
     quiet = level < loud + PAUSE_DB
     near = np.convolve(~quiet, np.ones(2 * PAUSE_MARGIN + 1), mode="same") > 0
