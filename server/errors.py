@@ -7,6 +7,8 @@ handler for REST, the websocket handler and the workers for streams.
 """
 from __future__ import annotations
 
+import math
+
 from enhancer.errors import EmptyAudioError, EnhancerError, OutputFormatError, UnsupportedAudioError
 
 try:
@@ -92,6 +94,15 @@ class ServiceError(Exception):
     @property
     def status(self) -> int:
         return KINDS[self.kind][0]
+
+    @property
+    def retry_after_header(self) -> str | None:
+        """The REST Retry-After value (whole seconds, at least 1): the error's `retry_after_s`, else 1
+        for over_capacity and shutting_down; None for errors not worth retrying as they are."""
+        retry = self.retry_after_s
+        if retry is None and self.kind in (ErrorKind.OVER_CAPACITY, ErrorKind.SHUTTING_DOWN):
+            retry = 1
+        return None if retry is None else str(max(1, math.ceil(retry)))
 
     @property
     def close_code(self) -> int:

@@ -45,22 +45,10 @@ class ServerProcess:
         return self.log.read_text(errors="replace")[-n:]
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
-        """Poll /readyz every 0.2 s until 200, through one client for all polls: `httpx.get` builds a
-        TLS context per call (tens of ms of CPU each), CPU the server would lose while it times its
-        capacity, and then it would measure less than the machine holds."""
-        import httpx
-
-        deadline = time.time() + timeout
-        with httpx.Client(timeout=1, verify=False) as client:
-            while time.time() < deadline:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"server exited ({self.proc.returncode}): {self.log_tail()}")
-                try:
-                    if client.get(self.base + "/readyz").status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+        if poll_ready(self.proc, self.base, timeout):
+            return self
+        if self.proc.poll() is not None:
+            raise SystemExit(f"server exited ({self.proc.returncode}): {self.log_tail()}")
         self.proc.kill()
         raise SystemExit("server did not become ready in time")
 
@@ -69,6 +57,27 @@ class ServerProcess:
 
     def stop(self) -> int:
         return terminate(self.proc)
+
+
+def poll_ready(proc: subprocess.Popen, base: str, timeout: float = 120.0, verify=False) -> bool:
+    """Poll `base`/readyz every 0.2 s until it answers 200 (True), `proc` exits or `timeout` passes
+    (False); through one client for all polls: `httpx.get` builds a TLS context per call (tens of ms
+    of CPU each), CPU the server would lose while it times its capacity, and then it would measure
+    less than the machine holds. `verify`: httpx's (an ssl context for https with a test CA)."""
+    import httpx
+
+    deadline = time.time() + timeout
+    with httpx.Client(timeout=1, verify=verify) as client:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                return False
+            try:
+                if client.get(base + "/readyz").status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    return False
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:

@@ -93,9 +93,8 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def service_error(request: Request, e: ServiceError, headers: dict | None = None):
         metrics.errors.labels(kind=e.kind).inc()
         request.app.state.keys.note_error(request.scope, e)  # refusals per API key
-        if e.retry_after_s is not None or e.kind in (ErrorKind.OVER_CAPACITY, ErrorKind.SHUTTING_DOWN):
-            retry = e.retry_after_s if e.retry_after_s is not None else 1
-            headers = (headers or {}) | {"Retry-After": str(max(1, int(-(-retry // 1))))}
+        if e.retry_after_header is not None:
+            headers = (headers or {}) | {"Retry-After": e.retry_after_header}
         return JSONResponse(e.rest_body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(EnhancerError)

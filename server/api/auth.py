@@ -12,7 +12,6 @@ name and digest, never the key) is left in the scope for the routes.
 from __future__ import annotations
 
 import json
-import math
 
 from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
@@ -99,8 +98,8 @@ class ApiKeyMiddleware:
 async def _http_error(send, e: ServiceError) -> None:
     body = json.dumps(e.rest_body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if e.retry_after_s is not None:
-        headers.append((b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode()))
+    if e.retry_after_header is not None:
+        headers.append((b"retry-after", e.retry_after_header.encode()))
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

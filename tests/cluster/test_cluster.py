@@ -40,6 +40,7 @@ from websockets.exceptions import ConnectionClosed
 from enhancer.client import enhance_stream
 from tests.conftest import speechlike
 from tests.tls import certificate, with_certificate
+from tools.launch import poll_ready
 
 pytestmark = pytest.mark.cluster
 
@@ -78,17 +79,9 @@ class Replica:
         return self
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.time() + timeout
-        with httpx.Client(timeout=1) as c:
-            while time.time() < deadline:
-                assert self.proc.poll() is None, f"{self.name} exited: {self.log_tail()}"
-                try:
-                    if c.get(self.base + "/readyz").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        raise AssertionError(f"{self.name} not ready: {self.log_tail()}")
+        if not poll_ready(self.proc, self.base, timeout):
+            assert self.proc.poll() is None, f"{self.name} exited: {self.log_tail()}"
+            raise AssertionError(f"{self.name} not ready: {self.log_tail()}")
 
     def active_streams(self) -> int:
         return httpx.get(self.base + "/readyz", timeout=5).json()["active_streams"]

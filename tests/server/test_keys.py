@@ -204,12 +204,19 @@ def test_settings_and_command_line(monkeypatch, tmp_path):
 
 
 # ---------------------------------------------------------------------------------- limits, live
-@pytest.fixture(scope="module")
-def keyed(model_path, tmp_path_factory):
-    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+def keyed_server(model_path, folder: Path) -> LiveServer:
+    """A live server on KEYS_TOML (written to `folder`; the file is `srv.keys_file`)."""
+    path = folder / "keys.toml"
     path.write_text(KEYS_TOML)
     srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(api_keys_file=path, capacity=4, max_streams=4,
                                                             idle_timeout_s=30.0)))
+    srv.keys_file = path
+    return srv
+
+
+@pytest.fixture(scope="module")
+def keyed(model_path, tmp_path_factory):
+    srv = keyed_server(model_path, tmp_path_factory.mktemp("keys"))
     yield srv
     srv.stop()
 
@@ -290,11 +297,7 @@ def test_metrics_are_for_admin_keys_and_name_keys_by_name(keyed):
 # ---------------------------------------------------------------------------------- rotation
 @pytest.fixture(scope="module")
 def rotating(model_path, tmp_path_factory):
-    path = tmp_path_factory.mktemp("rotating") / "keys.toml"
-    path.write_text(KEYS_TOML)
-    srv = LiveServer(model=model_path, **(TEST_LIMITS | dict(api_keys_file=path, capacity=4, max_streams=4,
-                                                            idle_timeout_s=30.0)))
-    srv.keys_file = path
+    srv = keyed_server(model_path, tmp_path_factory.mktemp("rotating"))
     yield srv
     srv.stop()
 

@@ -28,7 +28,7 @@ from websockets.sync.client import connect
 
 from tests.conftest import speechlike
 from tests.tls import certificate, with_certificate
-from tools.launch import terminate
+from tools.launch import poll_ready, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
@@ -111,17 +111,9 @@ class Served:
                                       "--drain-timeout-s", "1", "--api-keys", str(self.keys), "--ssl-certfile",
                                       str(self.tls.cert), "--ssl-keyfile", str(self.tls.key)],
                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
-        deadline = time.time() + 120
-        with httpx.Client(verify=self.ctx, timeout=1) as c:
-            while time.time() < deadline:
-                assert self.proc.poll() is None, f"enhancer serve exited: {self.log_text()[-2000:]}"
-                try:
-                    if c.get(self.base + "/readyz").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        raise AssertionError(f"enhancer serve not ready: {self.log_text()[-2000:]}")
+        if not poll_ready(self.proc, self.base, 120, verify=self.ctx):
+            assert self.proc.poll() is None, f"enhancer serve exited: {self.log_text()[-2000:]}"
+            raise AssertionError(f"enhancer serve not ready: {self.log_text()[-2000:]}")
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
