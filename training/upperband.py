@@ -3,7 +3,7 @@
     python -m training.upperband --out runs/upperband                  # collect, train, export
     python -m training.upperband --out runs/upperband --data CORPUS --mixtures 800 --epochs 20
 
-In steps (the head measured in training/README.md): 800 mixtures, 20 epochs; then 300 more whose
+In steps (the head measured in docs/training-log.md): 800 mixtures, 20 epochs; then 300 more whose
 noise is only above 8.2-9.5 kHz (`--highpass-share 1`, collected into a second folder), and 8
 epochs on both from the first head's weights at a third of the learning rate:
 
