@@ -10,10 +10,14 @@ before it) and runs one connection at a time:
   the overlap sent again is dropped, the rest is delivered in order (`async for`);
 * close 1000 after the end: done (the output has exactly as many samples as the input);
 * close 1013 (over capacity): wait the error's `retry_after_s` (at most `max_wait_s`), connect again;
-* close 1012 (the service restarts, after the enhanced tail of all it read), 1001, or a lost
-  connection: reconnect with a backoff (0.25 s doubling, at most `max_wait_s`) and resume at the
-  first sample whose output is missing, `resume_overlap_s` earlier so that the new stream's model
-  has warmed up by then;
+* close 1012 (the service restarts): the stream is opened "resumable", so the service sends the
+  output of all it read up to its last whole hop and then the stream's state; reconnect at once
+  and hand that state back: the new connection continues the stream exactly where it stopped (the
+  output equals an uninterrupted run's), from the first input sample the state has not seen;
+* a restart without a state (a service that could not take it, or a state the new replica cannot
+  use: another model), 1001, or a lost connection: reconnect with a backoff (0.25 s doubling, at
+  most `max_wait_s`) and resume at the first sample whose output is missing, `resume_overlap_s`
+  earlier so that the new stream's model has warmed up by then;
 * any other close: a `ClientError` with the service's kind and message, raised where the stream is
   read (`async for`, `finish`, `drain`) and when the `async with` block ends. So is a service that
   cannot be reached at the first connection, and `max_retries` tries in a row without output.
@@ -21,6 +25,8 @@ before it) and runs one connection at a time:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 from pathlib import Path
@@ -41,7 +47,7 @@ class Stream:
 
     def __init__(self, url: str, headers: dict, start: dict, *, on_message=None, resume_overlap_s: float = 1.0,
                  max_retries: int = 10, max_wait_s: float = 30.0, open_timeout_s: float = 10.0):
-        self.url, self.headers, self.start = url, headers, start
+        self.url, self.headers, self.start = url, headers, start | {"resumable": True}
         self.sample_rate, self.channels = int(start["sample_rate"]), int(start["channels"])
         self.on_message, self.max_retries, self.max_wait_s = on_message, max_retries, max_wait_s
         self.overlap = max(0, int(resume_overlap_s * self.sample_rate))
@@ -50,6 +56,7 @@ class Stream:
         self.sessions = 0  # connections that got as far as ready
         self.samples_in = 0  # samples given to `send`
         self.samples_out = 0  # enhanced samples delivered
+        self._resume = Resumption(overlap=self.overlap)
         self._held: list[np.ndarray] = []  # input from sample `_held0` on, (n, channels) float32 each
         self._held0 = 0
         self._ended = False
@@ -59,6 +66,11 @@ class Stream:
         self._error: BaseException | None = None
         self._first: asyncio.Future | None = None
         self._runner: asyncio.Task | None = None
+
+    @property
+    def resumed(self) -> int:
+        """Connections that continued the stream from its state."""
+        return self._resume.resumed
 
     # ------------------------------------------------------------------ the caller's side
     async def __aenter__(self) -> Stream:
@@ -146,8 +158,7 @@ class Stream:
         tries, reached = 0, False
         try:
             while True:
-                begin = max(0, self.samples_out - self.overlap)
-                code, error, got = await self._session(begin)
+                code, error, got = await self._session()
                 if code == 1000:
                     if self.samples_out != self.samples_in:
                         raise ClientError("protocol", f"the service returned {self.samples_out} samples for "
@@ -168,6 +179,8 @@ class Stream:
                     raise ClientError(last.kind if last else "unreachable", f"gave up after {self.max_retries} "
                                       f"tries without output (last: {code}, {error.get('message', '')})", code)
                 wait = error.get("retry_after_s", 5.0) if code == 1013 else 0.25 * 2 ** max(tries - 1, 0)
+                if code == 1012 and self._resume.state is not None and tries <= 1:
+                    wait = 0.0  # the state is in hand: the next replica continues at once
                 await asyncio.sleep(min(float(wait), self.max_wait_s))
         except ClientError as e:
             self._error = e
@@ -179,9 +192,10 @@ class Stream:
             self._out.put_nowait(_END)
             self._progress.set()
 
-    async def _session(self, begin: int):
-        """One connection, from input sample `begin`: (close code or None, last error message or
-        the reason it could not connect, output samples delivered)."""
+    async def _session(self):
+        """One connection: (close code or None, last error message or the reason it could not
+        connect, output samples delivered). It continues from the state in hand, or else from the
+        first input sample whose output is missing (less the overlap)."""
         from websockets.asyncio.client import connect
         from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI, WebSocketException
 
@@ -198,11 +212,12 @@ class Stream:
             return None, ClientError("invalid_url", str(e)), 0
         except (OSError, WebSocketException, TimeoutError) as e:
             return None, {"message": str(e) or type(e).__name__}, 0
-        drop, got, error, sender = self.samples_out - begin, 0, {}, None
+        state, self._resume.state = self._resume.state, None  # used once: a state is of one moment of the stream
+        drop, got, error, sender = 0, 0, {}, None
         async with ws:
             try:
                 with contextlib.suppress(ConnectionClosed):  # refused at once (1013): the error is queued
-                    await ws.send(json.dumps(self.start))
+                    await self._resume.open(ws, self.start, state, self.ready)
                 async for m in ws:  # ends on 1000 / 1001; raises ConnectionClosed on the others
                     if isinstance(m, bytes):
                         y = np.frombuffer(m, "<f4").reshape(-1, self.channels)
@@ -215,11 +230,15 @@ class Stream:
                     msg = _json(m) or {}
                     if msg.get("type") == "ready" and sender is None:
                         self.ready, self.sessions = msg, self.sessions + 1
+                        begin = self._resume.begin(msg, state, self.samples_out)
+                        drop = self.samples_out - begin if not msg.get("resumed") else 0
                         sender = asyncio.create_task(self._send(ws, begin, int(msg.get("max_message_bytes", 1 << 20))))
                         if not self._first.done():
                             self._first.set_result(None)
                     elif msg.get("type") == "error":
                         error = msg
+                    elif msg.get("type") == "state":
+                        self._resume.keep(msg, self.samples_out, self._held0, self.samples_in)
                     if self.on_message is not None:
                         self.on_message(msg)
             except ConnectionClosed:
@@ -268,6 +287,54 @@ class Stream:
             self._held0 += len(self._held.pop(0))
         self._out.put_nowait(y[:, 0].copy() if self.channels == 1 else y.copy())
         self._progress.set()
+
+
+class Resumption:
+    """What a `Stream` keeps to continue after a restart: the service's last "state" message (the
+    state decoded), until a connection uses it, and where the service's stream began (its counts
+    start there)."""
+
+    def __init__(self, overlap: int):
+        self.overlap = overlap  # input samples sent again before the first missing output without a state
+        self.state: dict | None = None
+        self.origin = 0  # the input sample where the service's current stream began
+        self.resumed = 0  # connections that continued the stream from a state
+
+    async def open(self, ws, start: dict, state: dict | None, ready: dict | None) -> None:
+        """The start message; with a state, "resume_bytes" and the state after it in messages of at
+        most the last `ready`'s max_message_bytes."""
+        if state is None:
+            await ws.send(json.dumps(start))
+            return
+        blob = state["state"]
+        await ws.send(json.dumps(start | {"resume_bytes": len(blob)}))
+        most = int((ready or {}).get("max_message_bytes", 1 << 20))
+        for i in range(0, len(blob), most):
+            await ws.send(blob[i:i + most])
+
+    def begin(self, ready: dict, state: dict | None, samples_out: int) -> int:
+        """The first input sample a connection sends: where the state resumed, or `overlap` before
+        the first output sample missing (`samples_out`, the output delivered)."""
+        resumed = ready.get("resumed")
+        if state is not None and isinstance(resumed, dict):
+            at = self.origin + int(resumed.get("output_samples", -1))
+            if at != samples_out:
+                raise ClientError("protocol", f"the service resumed at output sample {at}, {samples_out} were delivered")
+            self.resumed += 1
+            return self.origin + int(resumed["input_samples"])
+        self.origin = max(0, samples_out - self.overlap)
+        return self.origin
+
+    def keep(self, msg: dict, samples_out: int, held_from: int, samples_in: int) -> None:
+        """A "state" message: kept for the next connection if it continues the output delivered
+        (`samples_out`) from input that is held (`held_from`..`samples_in`)."""
+        try:
+            blob = base64.b64decode(msg.get("state", ""), validate=True)
+            at_in, at_out = self.origin + int(msg["input_samples"]), self.origin + int(msg["output_samples"])
+        except (binascii.Error, KeyError, TypeError, ValueError):
+            return  # not usable: the next connection resumes with the overlap
+        if at_out == samples_out and held_from <= at_in <= samples_in:
+            self.state = {"state": blob, "input_samples": at_in, "output_samples": at_out}
 
 
 def _json(data):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import handoff
 from .config import SAMPLE_RATE, ModelConfig
 from .device_pool import make_pool
 from .engine import Engine, min_gain_for
@@ -71,13 +72,13 @@ class StepLog:
         return len(self._frames)
 
 
-class StreamCursor:
+class StreamCursor(handoff.StreamState):
     """One stream's buffers and lanes, stepped by its owner (see the module docstring)."""
 
     def __init__(self, engine: Engine, sample_rate: int = SAMPLE_RATE, channels: int = 1,
                  atten_lim_db: float | None = None, metadata: bool = False, pool: LanePoolProtocol | None = None,
                  band: str = DEFAULT_BAND, level: str = DEFAULT_LEVEL):
-        self.config = engine.config
+        self.engine, self.config = engine, engine.config
         self.upper_head = engine.upper_head  # the upper band's learned gains (None: the Wiener gains alone)
         self.sample_rate = check_rate(sample_rate)
         self.channels = check_channels(channels)

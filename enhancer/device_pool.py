@@ -13,6 +13,9 @@ With `full_steps`, a live step (one frame) runs over the whole pool through a se
 graph with static shapes, every buffer bound once, replayed as a CUDA graph under CUDA (`_FullStep`):
 the step is bound by kernel launches, not by the batch, and a replay is one launch.
 
+`export_lanes` and `import_lanes` (a stream handed to another process) copy only the lanes asked
+for, cache by cache (the gather_rows and scatter_rows graphs: the device rows to or from host arrays).
+
 Same interface (`enhancer.pools.LanePoolProtocol`), same results as `LanePool` (tests/enhancer/test_device_pool.py steps both through
 the same calls on the CPU; `tools/gpu_check.py` does it under CUDA). Float key/value rings
 only: int8 rings (`enhancer.build.ringquant`) exist to save CPU memory bandwidth and stay on `LanePool`.
@@ -27,13 +30,14 @@ import numpy as np
 
 from .engine import Engine, LanePool, Lanes, StepResult, lane_range
 from .errors import CheckpointError
-from .pools import LanePoolProtocol
+from .pools import LanePoolProtocol, check_lane_arrays
 from .step_io import NEXT, ring_specs, state_specs
 
 DEVICES_BY_PROVIDER = {"CUDAExecutionProvider": "cuda", "CPUExecutionProvider": "cpu"}
 HOST_OUTPUTS = ("out", "competition", "activity")  # outputs that come back to the host each call
 log = logging.getLogger("tim_enhancer")
 ZERO_CHUNK_BYTES = 256 << 20  # a reset zeroes at most this many bytes of rings per graph call
+COPY_CHUNK_BYTES = 64 << 20  # an export or import copies at most this many bytes of one cache per graph call
 
 
 def engine_device(engine: Engine) -> str:
@@ -188,6 +192,70 @@ class DeviceLanePool(Lanes):
     def reset(self, lanes: np.ndarray) -> None:
         self._zero(np.asarray(lanes, dtype=np.int64))
         self.pos[lanes] = 0
+
+    # a stream's state to and from the host (`LanePoolProtocol.export_lanes`, `import_lanes`)
+    def export_lanes(self, lanes: np.ndarray) -> dict[str, np.ndarray]:
+        """The state of `lanes` on the host: only their rows cross the bus, one gather_rows call per
+        cache (and per COPY_CHUNK_BYTES of it), each written straight into the host array."""
+        lanes = self._lanes_of(lanes)
+        k, sess = len(lanes), self.graphs.sessions["gather_rows"]
+        out = {"pos": self.pos[lanes]}
+        for name, shape, n, ptr in self._blocks():
+            rows = np.empty((k, n), np.float32)
+            for part in self._chunks(n, k):
+                io = sess.io_binding()
+                self._bind_in(io, "data", (1, self.capacity, n), ptr)
+                io.bind_cpu_input("lanes", lanes[part])
+                io.bind_output("rows", "cpu", 0, np.float32, [1, part.stop - part.start, n], rows[part].ctypes.data)
+                sess.run_with_iobinding(io)
+            out[name] = rows.reshape((k,) + shape)
+        return out
+
+    def import_lanes(self, lanes: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Set the state of `lanes` (distinct) from `export_lanes`' arrays, one scatter_rows call per
+        cache (and per COPY_CHUNK_BYTES of it), in place; ValueError, and nothing changed, when
+        the lanes or an array's name, shape or dtype are not the pool's."""
+        lanes = self._lanes_of(lanes, distinct=True)
+        arrays = check_lane_arrays(self.engine, len(lanes), arrays)
+        k, sess = len(lanes), self.graphs.sessions["scatter_rows"]
+        for name, _, n, ptr in self._blocks():
+            rows = np.ascontiguousarray(arrays[name]).reshape(1, k, n)
+            for part in self._chunks(n, k):
+                io = sess.io_binding()
+                self._bind_in(io, "data", (1, self.capacity, n), ptr)
+                io.bind_cpu_input("lanes", lanes[part])
+                io.bind_cpu_input("rows", np.ascontiguousarray(rows[:, part]))
+                self._bind_out(io, "out", (1, self.capacity, n), ptr)
+                sess.run_with_iobinding(io)
+        self.pos[lanes] = arrays["pos"]
+
+    def _lanes_of(self, lanes, distinct: bool = False) -> np.ndarray:
+        """`lanes` as (k,) int64, checked: lanes of this pool (ValueError else), each once if `distinct`."""
+        a = np.asarray(lanes)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise ValueError(f"lanes must be (k,) integers, got {a.dtype}{list(a.shape)}")
+        a = a.astype(np.int64)
+        if a.size and (a.min() < 0 or a.max() >= self.capacity):
+            raise ValueError(f"lanes must be in [0, {self.capacity}), got {a.min()}..{a.max()}")
+        if distinct and len(np.unique(a)) != len(a):
+            raise ValueError("lanes repeat")
+        return a
+
+    def _blocks(self) -> list[tuple[str, tuple, int, int]]:
+        """Every cache as (name, per-lane shape, floats per lane, device address of its (capacity,
+        floats per lane) rows): the states, then the rings."""
+        states, rings = self.state_buffer.data_ptr(), self.ring_buffer.data_ptr()
+        out = [(name, shape, n, states + 4 * self.capacity * int(cum))
+               for (name, shape, n), cum in zip(self.states, self._cum)]
+        ring_bytes = 4 * self.capacity * self._ring_lane
+        return out + [(name, self.rings_shape[2:], self._ring_lane, rings + j * ring_bytes)
+                      for j, name in enumerate(self.ring_names)]
+
+    @staticmethod
+    def _chunks(n: int, k: int) -> list[slice]:
+        """k lanes of n floats each in parts of at most COPY_CHUNK_BYTES (one lane at least)."""
+        per = max(1, COPY_CHUNK_BYTES // (4 * n))
+        return [slice(i, min(i + per, k)) for i in range(0, k, per)]
 
     # device updates
     def _bind_in(self, io, name: str, shape, ptr: int, dtype=np.float32) -> None:

@@ -19,6 +19,8 @@ from .step_io import (
     RING_FORMATS,
     STEP_FORMAT,
     StepOutputs,
+    cache_specs,
+    check_lane_arrays,
     init_rings,
     init_states,
     input_names,
@@ -174,6 +176,18 @@ class Engine:
         """How the weights are stored: fp32, fp16 (computed in float32) or int8 (8-bit dense layers)."""
         return self.metadata.get("weights", "fp32 or fp16")
 
+    @functools.cached_property
+    def identity(self) -> str:
+        """A digest of the model file (and its upper-band head's weights): a stream's state is
+        only continued by an engine of the same identity (`enhancer.handoff`)."""
+        import hashlib
+
+        h = hashlib.sha256(self.path.read_bytes())
+        head = self.path.with_name(HEAD_WEIGHTS)
+        if self.upper_head is not None and head.is_file():
+            h.update(head.read_bytes())
+        return h.hexdigest()[:32]
+
     @property
     def int8_rings(self) -> bool:
         """The key/value rings are int8, key rings transposed (`enhancer.build.ringquant`)."""
@@ -271,6 +285,19 @@ class LanePool(Lanes):
         for c in self.caches:
             c[lanes] = 0
         self.pos[lanes] = 0
+
+    def export_lanes(self, lanes: np.ndarray) -> dict[str, np.ndarray]:
+        names = [name for name, _ in cache_specs(self.engine.config)]
+        out = {name: c[lanes] for name, c in zip(names, self.caches)}  # fancy indexing: copies
+        out["pos"] = self.pos[lanes]
+        return out
+
+    def import_lanes(self, lanes: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        arrays = check_lane_arrays(self.engine, len(lanes), arrays)
+        names = [name for name, _ in cache_specs(self.engine.config)]
+        for name, c in zip(names, self.caches):
+            c[lanes] = arrays[name]
+        self.pos[lanes] = arrays["pos"]
 
     def run(self, lanes: np.ndarray, hops: np.ndarray, min_gain: np.ndarray) -> StepResult:
         """Advance `lanes` (distinct) by T hops each in one call: hops (k, T, hop) -> out (k, T, hop),

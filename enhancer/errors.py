@@ -38,6 +38,11 @@ class CheckpointError(EnhancerError, ValueError):
     """A checkpoint or model file is missing, corrupt or does not match its config."""
 
 
+class StateError(EnhancerError, ValueError):
+    """A stream state handed back (a resumed stream's) is not readable, or is not a state of this
+    stream: another model, other stream parameters, or arrays that do not fit."""
+
+
 class ClientError(EnhancerError):
     """What the service answered instead of enhanced audio, or why it could not be reached.
 

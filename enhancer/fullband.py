@@ -43,7 +43,8 @@ import itertools
 import numpy as np
 
 from .config import ModelConfig
-from .errors import AudioError
+from .errors import AudioError, StateError
+from .handoff import attrs_state, load_attrs
 from .signal import StreamResampler
 from .upperhead import LOW_EDGES_HZ, UpperHead, features
 
@@ -175,6 +176,14 @@ class BandGains:
             g = np.maximum(g, np.maximum(learned, HEAD_FLOOR * s))
         return g @ self._interp.T
 
+    _STATE = ("frames", "noise", "smooth", "history", "clean", "_h")
+
+    def state(self) -> dict:
+        return attrs_state(self, self._STATE)
+
+    def load_state(self, state: dict) -> None:
+        load_attrs(self, self._STATE, state)
+
 
 class _RunningMin:
     """The minimum of the last `n` values pushed (arrays of one shape)."""
@@ -184,10 +193,18 @@ class _RunningMin:
 
     def push(self, value: np.ndarray) -> np.ndarray:
         if self._ring is None:
-            self._ring = np.empty((self.n,) + np.shape(value), np.float64)
+            self._ring = np.zeros((self.n,) + np.shape(value), np.float64)
         self._ring[self.count % self.n] = value
         self.count += 1
         return self._ring[:min(self.count, self.n)].min(axis=0)
+
+    def state(self) -> dict:
+        return attrs_state(self, ("count", "_ring"))
+
+    def load_state(self, state: dict) -> None:
+        if state["ring"] is not None and state["ring"].shape[0] != self.n:
+            raise StateError(f"a running minimum of {self.n} values holds {state['ring'].shape[0]}")
+        load_attrs(self, ("count", "_ring"), state)
 
 
 def _window_at(buf: np.ndarray, first: int, start: int, n: int) -> np.ndarray:
@@ -255,6 +272,19 @@ class HighBand:
         self._steps = 0  # model steps put so far
         self._lb_level = np.zeros(c, np.float64)  # smoothed enhanced low-band level
         self._lb_levels = _RunningMin(PRESENCE_HOPS)  # its last PRESENCE_HOPS values
+
+    _STATE = ("_gains", "_xs", "_xs0", "_lows", "_lows0", "_rs_ref", "_x", "_r", "_h", "_h0", "_drained", "_ended",
+              "_y", "_out0", "_syn", "_frame", "_s0", "_known", "_p", "_steps", "_lb_level", "_lb_levels")
+
+    def state(self) -> dict:
+        """What `load_state` continues from in another process (`enhancer.handoff`)."""
+        out = attrs_state(self, self._STATE)
+        out["speech"] = np.array(self._speech, np.float64).reshape(-1, self.channels)
+        return out
+
+    def load_state(self, state: dict) -> None:
+        load_attrs(self, self._STATE, state)
+        self._speech = list(np.asarray(state["speech"], np.float64).reshape(-1, self.channels))
 
     @property
     def held(self) -> int:

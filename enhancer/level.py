@@ -37,6 +37,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import AudioError
 from .fullband import speech_weight
+from .handoff import attrs_state, load_attrs
 
 LEVELS = ("model", "input")
 DEFAULT_LEVEL = "model"  # the model's output as it is (bit-identical to no level option at all)
@@ -76,6 +77,18 @@ class LevelGain:
         self._gains: list[float] = []  # per output hop, hop `_g0` first
         self._g0 = 0
         self._g_before = 1.0  # the gain of hop `_g0 - 1`
+
+    _STATE = ("_in0", "_steps", "_s_in", "_s_out", "_w", "_g0", "_g_before")
+
+    def state(self) -> dict:
+        """What `load_state` continues from in another process (`enhancer.handoff`)."""
+        out = attrs_state(self, self._STATE)
+        out["e_in"], out["gains"] = np.array(self._e_in, np.float64), np.array(self._gains, np.float64)
+        return out
+
+    def load_state(self, state: dict) -> None:
+        load_attrs(self, self._STATE, state)
+        self._e_in, self._gains = [float(v) for v in state["e_in"]], [float(v) for v in state["gains"]]
 
     # ------------------------------------------------------------------ the model's side
     def take(self, hops: np.ndarray) -> None:

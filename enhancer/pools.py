@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from .step_io import check_lane_arrays, lane_shapes
+
 if TYPE_CHECKING:
     import numpy as np
 
     from .engine import Engine, StepResult
 
-__all__ = ["POOL_MEMBERS", "LanePoolProtocol"]
+__all__ = ["POOL_MEMBERS", "LanePoolProtocol", "check_lane_arrays", "lane_shapes"]
 
 
 @runtime_checkable
@@ -70,6 +72,18 @@ class LanePoolProtocol(Protocol):
         """The live step: `lanes` by one hop each, hops (k, hop) -> out (k, hop)."""
         ...
 
+    def export_lanes(self, lanes: np.ndarray) -> dict[str, np.ndarray]:
+        """The state of `lanes` as host arrays (a stream's hand-off to another process): `pos` (k,)
+        int64 and every cache of `enhancer.step_io.cache_specs` by name, (k, ...) each in the
+        layout the step graph reads (`lane_shapes`)."""
+        ...
+
+    def import_lanes(self, lanes: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Set the state of `lanes` from `export_lanes`' arrays (of a pool of the same model);
+        ValueError, and nothing changed, when a name, shape or dtype differs from `lane_shapes`."""
+        ...
+
 
 # the protocol's members: methods and properties, and the data attributes an instance carries
-POOL_MEMBERS = ("engine", "capacity", "full_step", "n_free", "connected", "alloc", "free", "reset", "run", "step")
+POOL_MEMBERS = ("engine", "capacity", "full_step", "n_free", "connected", "alloc", "free", "reset", "run", "step",
+                "export_lanes", "import_lanes")

@@ -146,3 +146,30 @@ def write_rings(rings, kv_rows, pos, window: int, lanes=None, keys_transposed: b
     keys = rings[:n].reshape(n, b, h, dh, w)  # a view
     keys[:, lanes[:, None], :, :, slots] = rows[:, :, :n]  # indexed as (k, T, N, H, dh)
     rings[n:, lanes[:, None], :, slots] = rows[:, :, n:]
+
+
+def lane_shapes(engine, k: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each array of a pool's `export_lanes` for k lanes of `engine`'s pools
+    (`enhancer.pools`): `pos`, the states (float32), the rings (float32, or int8 with each key ring
+    as (k, H, dh, W))."""
+    cfg = engine.config
+    out = {"pos": ((k,), np.dtype(np.int64))}
+    out.update({name: ((k,) + shape, np.dtype(np.float32)) for name, shape in state_specs(cfg)})
+    ring = np.dtype(np.int8 if engine.int8_rings else np.float32)
+    for name, (h, w, dh) in ring_specs(cfg):
+        out[name] = ((k, h, dh, w) if engine.int8_rings and name.startswith("k") else (k, h, w, dh), ring)
+    return out
+
+
+def check_lane_arrays(engine, k: int, arrays: dict) -> dict[str, np.ndarray]:
+    """`arrays` checked against `lane_shapes(engine, k)` (ValueError on any difference), as arrays."""
+    want = lane_shapes(engine, k)
+    if set(arrays) != set(want):
+        raise ValueError(f"lane state has arrays {sorted(arrays)}, expected {sorted(want)}")
+    out = {}
+    for name, (shape, dtype) in want.items():
+        a = np.asarray(arrays[name])
+        if a.shape != shape or a.dtype != dtype:
+            raise ValueError(f"lane state {name!r} is {a.dtype}{list(a.shape)}, expected {dtype}{list(shape)}")
+        out[name] = a
+    return out

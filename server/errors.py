@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from enhancer.errors import EmptyAudioError, EnhancerError, OutputFormatError, UnsupportedAudioError
+from enhancer.errors import EmptyAudioError, EnhancerError, OutputFormatError, StateError, UnsupportedAudioError
 
 try:
     from enum import StrEnum
@@ -45,6 +45,7 @@ class ErrorKind(StrEnum):
     KEY_LIMIT = "key_limit"  # an API key holds its limit of live streams (server.api.keys)
     OVER_CAPACITY = "over_capacity"  # all streams / jobs / lanes busy
     SHUTTING_DOWN = "shutting_down"  # the server is draining for a restart: reconnect
+    INVALID_STATE = "invalid_state"  # a resumed stream's state is not readable, or not of this stream
     CLIENT_CLOSED = "client_closed"  # the client went away mid-request (nobody sees the answer)
     INVALID_KEY_FILE = "invalid_key_file"  # POST /v1/admin/reload: the key file is malformed (the old keys stay)
     INTERNAL = "internal"  # a bug or a failed inference step
@@ -68,6 +69,7 @@ KINDS: dict[ErrorKind, tuple[int, int]] = {
     ErrorKind.KEY_LIMIT: (429, 1013),
     ErrorKind.OVER_CAPACITY: (503, 1013),
     ErrorKind.SHUTTING_DOWN: (503, 1012),
+    ErrorKind.INVALID_STATE: (422, 1007),
     ErrorKind.CLIENT_CLOSED: (499, 1001),
     ErrorKind.INVALID_KEY_FILE: (422, 1011),
     ErrorKind.INTERNAL: (500, 1011),
@@ -130,6 +132,8 @@ def from_core(e: EnhancerError, kind: ErrorKind = ErrorKind.INVALID_AUDIO) -> Se
         return ServiceError(ErrorKind.UNSUPPORTED_MEDIA, str(e))
     if isinstance(e, OutputFormatError):
         return ServiceError(ErrorKind.INVALID_PARAMETER, str(e))
+    if isinstance(e, StateError):
+        return ServiceError(ErrorKind.INVALID_STATE, str(e))
     if isinstance(e, ValueError):  # AudioError and the rest of the core's bad-input errors
         return ServiceError(kind, str(e))
     return ServiceError(ErrorKind.INTERNAL, "internal error")

@@ -79,6 +79,9 @@ class StartMessage(BaseModel):
     metadata: StrictBool = False
     band: Literal["full", "speech"] = "full"  # above 16 kHz: keep the band above 8 kHz, or not
     level: Literal["model", "input"] = "model"  # the model's output level, or the voice at the input's
+    # at a restart: the stream's state in a "state" message before 1012, to continue exactly elsewhere
+    resumable: StrictBool = False
+    resume_bytes: StrictInt | None = None  # that state's size: it follows in binary messages, then the audio
 
     @classmethod
     def from_text(cls, text: str) -> StartMessage:
@@ -120,6 +123,10 @@ def _answer(msg: dict, e: ValidationError) -> ServiceError:
         return ServiceError(ErrorKind.INVALID_PARAMETER, f"metadata must be true or false, got {msg['metadata']!r}")
     if "band" in bad:
         return ServiceError(ErrorKind.INVALID_PARAMETER, f"band must be \"full\" or \"speech\", got {msg['band']!r}")
+    for name in ("resumable", "resume_bytes"):
+        if name in bad:
+            what = "true or false" if name == "resumable" else "an integer (the size of a \"state\" message's state) or null"
+            return ServiceError(ErrorKind.INVALID_PARAMETER, f"{name} must be {what}, got {msg[name]!r}")
     if "level" in bad:
         return ServiceError(ErrorKind.INVALID_PARAMETER, f"level must be \"model\" or \"input\", got {msg['level']!r}")
     for name in ("sample_rate", "channels"):

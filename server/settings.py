@@ -61,6 +61,9 @@ class Settings:
     rest_chunk_s: float = 5.0  # decode / enhance / encode block: bounds memory for long files
     # websocket limits
     max_message_bytes: int = 1024 * 1024  # one binary or text message (1009 beyond)
+    # a resumable stream's state (sent before 1012, given back in the next start message, which may be
+    # this much larger); a stream whose state is larger gets its tail instead
+    max_state_bytes: int = 16 * 1024 * 1024
     max_messages_per_s: float = 400.0  # messages per stream per second, bursts up to one second's worth (1008 beyond)
     max_stream_s: float = 4 * 3600.0  # audio one websocket stream may send (1008 beyond)
     idle_timeout_s: float = 30.0  # no message for this long closes the stream (1008)
@@ -127,7 +130,7 @@ class Settings:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         for name in ("workers", "threads", "max_streams", "max_rest_jobs", "max_channels", "max_upload_bytes",
-                     "max_message_bytes"):
+                     "max_message_bytes", "max_state_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -187,5 +190,5 @@ class Settings:
     def public(self) -> dict:
         """The limits a client may see (no secrets)."""
         keep = ("max_streams", "max_channels", "lateness_budget_ms", "max_lateness_ms", "max_upload_bytes", "max_duration_s", "max_message_bytes",
-                "max_messages_per_s", "max_stream_s", "idle_timeout_s")
+                "max_state_bytes", "max_messages_per_s", "max_stream_s", "idle_timeout_s")
         return {k: getattr(self, k) for k in keep} | {"auth": self.api_key is not None or self.api_keys_file is not None}

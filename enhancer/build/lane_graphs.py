@@ -8,7 +8,7 @@ from ..lane_graphs import GRAPHS_DIR, OPSET
 
 
 def build() -> dict:
-    """The three graphs as onnx ModelProtos, by name (needs the `onnx` package)."""
+    """The graphs as onnx ModelProtos, by name (needs the `onnx` package)."""
     import onnx
     from onnx import TensorProto as TP
     from onnx import helper as h
@@ -16,11 +16,11 @@ def build() -> dict:
     def i64(name, values):
         return h.make_node("Constant", [], [name], value=h.make_tensor(name, TP.INT64, [len(values)], values))
 
-    def model(name, nodes, inputs, outputs):
+    def model(name, nodes, inputs, outputs, what="an in-place ScatterND update of a device lane pool"):
         g = h.make_graph(nodes, name, inputs, outputs)
         m = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET)], producer_name="tim-enhancer")
         m.ir_version = 8
-        m.doc_string = f"tim-enhancer lane graph {name}: an in-place ScatterND update of a device lane pool"
+        m.doc_string = f"tim-enhancer lane graph {name}: {what}"
         onnx.checker.check_model(m, full_check=True)
         return m
 
@@ -93,31 +93,50 @@ def build() -> dict:
         vi("at", i64t, ["Ltot"]), vi("K", i64t, [1]), vi("C", i64t, [1])],
         [vi("rings_out", f32, ["M", "C", "H", "W", "D"]), vi("states_out", f32, ["CL"])])
 
+    def row_index(length: bool) -> list:
+        """Nodes of the indices (M, k, 2) = (block, lane) of rows `lanes` of data (M, C, L) ("index"),
+        with "M", "kshape" and, if `length`, "L" (the rows' length)."""
+        c23 = [i64("c2", [2]), i64("c3", [3])] if length else []
+        return [
+            h.make_node("Shape", ["data"], ["dshape"]),
+            h.make_node("Shape", ["lanes"], ["kshape"]),
+            i64("c0", [0]), i64("c1", [1]), *c23, i64("m1", [-1]),
+            h.make_node("Slice", ["dshape", "c0", "c1"], ["M"]),
+            *([h.make_node("Slice", ["dshape", "c2", "c3"], ["L"])] if length else []),
+            h.make_node("Squeeze", ["M"], ["Ms"]),
+            h.make_node("Constant", [], ["zero"], value=h.make_tensor("zero", TP.INT64, [], [0])),
+            h.make_node("Constant", [], ["step"], value=h.make_tensor("step", TP.INT64, [], [1])),
+            h.make_node("Range", ["zero", "Ms", "step"], ["mr"]),
+            h.make_node("Concat", ["M", "c1"], ["mshape"], axis=0),
+            h.make_node("Concat", ["c1", "kshape"], ["lshape"], axis=0),
+            h.make_node("Concat", ["M", "kshape"], ["ishape"], axis=0),
+            h.make_node("Reshape", ["mr", "mshape"], ["m2"]),
+            h.make_node("Reshape", ["lanes", "lshape"], ["l2"]),
+            h.make_node("Expand", ["m2", "ishape"], ["me"]),
+            h.make_node("Expand", ["l2", "ishape"], ["le"]),
+            h.make_node("Unsqueeze", ["me", "m1"], ["mu"]),
+            h.make_node("Unsqueeze", ["le", "m1"], ["lu"]),
+            h.make_node("Concat", ["mu", "lu"], ["index"], axis=-1),  # (M, k, 2)
+        ]
+
+    data, lanes_in = vi("data", f32, ["M", "C", "L"]), vi("lanes", i64t, ["k"])
     # zero_rows: indices (M, k, 2) = (block, lane), updates zeros (M, k, L)
-    graphs["zero_rows"] = model("zero_rows", [
-        h.make_node("Shape", ["data"], ["dshape"]),
-        h.make_node("Shape", ["lanes"], ["kshape"]),
-        i64("c0", [0]), i64("c1", [1]), i64("c2", [2]), i64("c3", [3]), i64("m1", [-1]),
-        h.make_node("Slice", ["dshape", "c0", "c1"], ["M"]),
-        h.make_node("Slice", ["dshape", "c2", "c3"], ["L"]),
-        h.make_node("Squeeze", ["M"], ["Ms"]),
-        h.make_node("Constant", [], ["zero"], value=h.make_tensor("zero", TP.INT64, [], [0])),
-        h.make_node("Constant", [], ["step"], value=h.make_tensor("step", TP.INT64, [], [1])),
-        h.make_node("Range", ["zero", "Ms", "step"], ["mr"]),
-        h.make_node("Concat", ["M", "c1"], ["mshape"], axis=0),
-        h.make_node("Concat", ["c1", "kshape"], ["lshape"], axis=0),
-        h.make_node("Concat", ["M", "kshape"], ["ishape"], axis=0),
-        h.make_node("Reshape", ["mr", "mshape"], ["m2"]),
-        h.make_node("Reshape", ["lanes", "lshape"], ["l2"]),
-        h.make_node("Expand", ["m2", "ishape"], ["me"]),
-        h.make_node("Expand", ["l2", "ishape"], ["le"]),
-        h.make_node("Unsqueeze", ["me", "m1"], ["mu"]),
-        h.make_node("Unsqueeze", ["le", "m1"], ["lu"]),
-        h.make_node("Concat", ["mu", "lu"], ["index"], axis=-1),  # (M, k, 2)
+    graphs["zero_rows"] = model("zero_rows", row_index(True) + [
         h.make_node("Concat", ["M", "kshape", "L"], ["zshape"], axis=0),
         h.make_node("ConstantOfShape", ["zshape"], ["zeros"], value=h.make_tensor("v", TP.FLOAT, [1], [0.0])),
         h.make_node("ScatterND", ["data", "index", "zeros"], ["out"]),
-    ], [vi("data", f32, ["M", "C", "L"]), vi("lanes", i64t, ["k"])], [vi("out", f32, ["M", "C", "L"])])
+    ], [data, lanes_in], [vi("out", f32, ["M", "C", "L"])])
+
+    # gather_rows: data (M, C, L), lanes (k,) -> rows (M, k, L), the lanes' rows of each block (a
+    # lane's state handed out: `DeviceLanePool.export_lanes`, the output bound on the host)
+    graphs["gather_rows"] = model("gather_rows", [h.make_node("Gather", ["data", "lanes"], ["rows"], axis=1)],
+                                  [data, lanes_in], [vi("rows", f32, ["M", "k", "L"])],
+                                  what="a copy of rows of a device lane pool")
+
+    # scatter_rows: data with rows `lanes` of each block set to rows (M, k, L) (`import_lanes`)
+    graphs["scatter_rows"] = model("scatter_rows", row_index(False) + [
+        h.make_node("ScatterND", ["data", "index", "rows"], ["out"]),
+    ], [data, lanes_in, vi("rows", f32, ["M", "k", "L"])], [vi("out", f32, ["M", "C", "L"])])
     return graphs
 
 

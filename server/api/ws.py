@@ -12,6 +12,14 @@
     client -> {"type": "end"}
     server -> the tail, then {"type": "end", "samples": n}, then close 1000
 
+A restart (drain) sends the tail of what was read and closes 1012. A stream that said
+"resumable": true gets instead the output of every whole hop read, then
+{"type": "state", "state": base64, "input_samples", "output_samples"}, then close 1012: a new
+connection that sends "resume_bytes": the state's size in its start message, then the state in
+binary messages, then the input from sample `input_samples` on, continues the stream exactly (its
+output goes on at sample `output_samples`; "ready" says "resumed"). A state of another model is
+not used: "ready" then says "resumed": null and why, and the stream starts afresh.
+
 Errors: {"type": "error", "kind", "message", "code"}, then close with `code` (1003 unsupported
 data, 1007 invalid payload, 1008 policy/auth/limits, 1009 too big, 1011 internal, 1013 over capacity:
 the error then also carries "capacity", "active_streams" and "retry_after_s").
@@ -24,6 +32,7 @@ then {"type": "on_time", "lateness_ms"} once it has caught up; if its backlog wa
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import math
@@ -33,10 +42,12 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from enhancer import handoff
 from enhancer.cursor import StepFrame, delay_at
+from enhancer.errors import StateError
 from server.api.aio import timeout as _timeout
 from server.api.pcm import decode_pcm, encode_pcm
-from server.errors import ErrorKind, ServiceError, too_large
+from server.errors import ErrorKind, ServiceError, from_core, too_large
 from server.messages import Source, StartMessage, event_message
 from server.scheduling.jobs import Delivery, Job
 
@@ -115,15 +126,18 @@ class StreamSession:
             first = None
         else:
             start = StartMessage()
-        self.encoding = start.encoding
+        self.encoding, self.resumable = start.encoding, start.resumable
+        state, resumed = await read_state(self, start)
+        if isinstance(resumed, dict):  # the counts go on from the state's
+            self.samples_in, self.samples_out = resumed["input_samples"], resumed["output_samples"]
         self.job = self.scheduler.open(start.sample_rate, start.channels, start.atten_lim_db, start.metadata,
-                                       Source.STREAM, start.band, start.level)
+                                       Source.STREAM, start.band, start.level, state)
         rate = self.job.sample_rate
         self.max_samples = int(s.max_stream_s * rate)
         self.max_buffered = max(int(s.max_buffered_s * rate), 1)
-        await self._send_json(self._ready_message(start))
+        await self._send_json(self._ready_message(start, resumed))
         self.writer = asyncio.create_task(self._write())
-        message = first
+        message, suspend = first, False
         try:
             while True:
                 if message is None:
@@ -133,9 +147,9 @@ class StreamSession:
                 elif self._control(message.get("text")):
                     break
                 message = None
-        except _Drain:
-            pass  # shutting down: the tail of what was received, then close 1012
-        self.job.end()
+        except _Drain:  # shutting down: the tail of what was received (or the state), then close 1012
+            suspend = self.resumable
+        self.job.end(suspend)
         await self.writer
 
     @property
@@ -189,14 +203,17 @@ class StreamSession:
                                "messages (20 ms of audio or more each)")
         self._tokens -= 1.0
 
-    def _ready_message(self, start: StartMessage) -> dict:
+    def _ready_message(self, start: StartMessage, resumed) -> dict:
         cfg, job = self.scheduler.enhancer.config, self.job
-        return {
+        extra = {} if start.resume_bytes is None else \
+            {"resumed": resumed} if isinstance(resumed, dict) else {"resumed": None, "resume_refused": resumed}
+        return extra | {
             "type": "ready", "sample_rate": job.sample_rate, "encoding": self.encoding, "channels": job.channels,
             "atten_lim_db": start.atten_lim_db, "metadata": start.metadata, "band": start.band,
             "level": start.level,
             "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "delay_samples": delay_at(cfg, job.sample_rate), "max_message_bytes": self.settings.max_message_bytes,
+            "resumable": start.resumable,
         }
 
     async def _audio(self, data: bytes) -> None:
@@ -252,7 +269,16 @@ class StreamSession:
             for event in d.events:  # "late", "on_time", "gap" (README: Capacity, admission and lateness)
                 await self._send_json(event_message(event))
             if d.final:
-                if self.draining:
+                if d.state is not None:
+                    out = self.samples_out
+                    await self._send_json({"type": "state", "state": base64.b64encode(d.state).decode("ascii"),
+                                           "input_samples": self.samples_in, "output_samples": out})
+                    await self._send_json({"type": "end", "samples": out, "reason": "shutdown",
+                                           "message": f"the server is restarting: reconnect with this state and resend "
+                                                      f"the audio from sample {self.samples_in}, or without it from "
+                                                      f"sample {out}"})
+                    await self._close(1012, "server shutting down")
+                elif self.draining:
                     await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown",
                                            "message": f"the server is restarting: reconnect and resend the audio "
                                                       f"from sample {self.samples_out}"})
@@ -318,6 +344,35 @@ class StreamSession:
             self.writer.cancel()
         if self.job is not None:
             self.job.close()
+
+
+async def read_state(session: StreamSession, start: StartMessage) -> tuple[bytes | None, dict | str | None]:
+    """The state that follows a start message with "resume_bytes", read from its binary messages,
+    and what "ready" says of it: (state, {"input_samples", "output_samples"}) to continue; (None,
+    why) for a state of another model (the stream starts afresh); (None, None) without one."""
+    n, limit = start.resume_bytes, session.settings.max_state_bytes
+    if n is None:
+        return None, None
+    if not 0 < n <= limit:
+        raise ServiceError(ErrorKind.INVALID_STATE, f"resume_bytes must be in 1..{limit} (max_state_bytes), got {n}")
+    parts, got = [], 0
+    while got < n:
+        message = await session._receive()
+        data = message.get("bytes")
+        if data is None or got + len(data) > n:
+            raise ServiceError(ErrorKind.INVALID_STATE, f"the {n} bytes of state must follow the start message "
+                               f"in binary messages, before the audio (got {got} bytes, then "
+                               f"{'text' if data is None else f'{len(data)} more'})")
+        parts.append(data)
+        got += len(data)
+    state = b"".join(parts)
+    try:
+        meta = handoff.peek(state)
+    except StateError as e:
+        raise from_core(e) from None
+    if meta.get("model") != session.scheduler.enhancer.engine.identity:
+        return None, "the state is of another model; the stream starts afresh"
+    return state, {"input_samples": int(meta["input_samples"]), "output_samples": int(meta["output_samples"])}
 
 
 def close_reason(text: str, limit: int = 123) -> str:

@@ -40,6 +40,7 @@ class Delivery:
     final: bool = False  # the job's tail after `end`, or its error; nothing follows
     error: ServiceError | None = None
     events: list[Event] = field(default_factory=list)  # for the client: Late, OnTime, Gap
+    state: bytes | None = None  # with the final delivery of a suspended job: its state (`StreamCursor.state_bytes`)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Open:
     atten_lim_db: float | None
     band: str = "full"  # "full": the band above 8 kHz kept (above 16 kHz); "speech": up to 8 kHz
     level: str = "model"  # "model": the model's output level; "input": the voice at the input's speech level
+    state: bytes | None = None  # a suspended stream's state to continue (`StreamCursor.load_state_bytes`)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class End:
 
     job: Job
     seq: int  # the last push's sequence number, acknowledged with the tail
+    # instead of the tail: the output of every whole hop received, then the stream's state (a restart);
+    # the tail after all where the state is too large or cannot be taken
+    suspend: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class Job:
         self.cursor: StreamCursor | None = None  # set when the worker opens the job
         self.acked = 0  # sequence number of the last push applied: acknowledged once no hop of it is left
         self.flushing = False
+        self.suspending = False  # stepped live to the last whole hop, then its state is the final delivery
         self.dirty = False  # has output or an acknowledgement to deliver
         self.ready_since = 0.0  # when its oldest ready hop became ready (perf_counter)
         self.arrivals = Arrivals()
@@ -172,11 +178,12 @@ class Job:
         self.worker.submit(Push(self, pcm, time.perf_counter(), self.sent))
         return self.sent
 
-    def end(self) -> None:
-        """Flush the tail; the last delivery has `final=True` and the worker frees the lanes."""
+    def end(self, suspend: bool = False) -> None:
+        """Flush the tail; the last delivery has `final=True` and the worker frees the lanes. With
+        `suspend`, the last delivery carries the stream's state instead of the tail (`End`)."""
         if not (self.closed or self.ended):
             self.ended = True
-            self.worker.submit(End(self, self.sent))
+            self.worker.submit(End(self, self.sent, suspend))
 
     def close(self) -> None:
         """Drop the job (any time, e.g. on disconnect); idempotent."""

@@ -215,8 +215,9 @@ class Scheduler:
 
     # jobs
     def open(self, sample_rate, channels, atten_lim_db=None, metadata: bool = False,
-             source: Source = Source.STREAM, band: str = "full", level: str = "model") -> Job:
-        """A new job on the least loaded worker, or ServiceError (invalid_parameter, over_capacity)."""
+             source: Source = Source.STREAM, band: str = "full", level: str = "model", state: bytes | None = None) -> Job:
+        """A new job on the least loaded worker, or ServiceError (invalid_parameter, over_capacity).
+        `state`: a suspended stream's state, which the job continues (a bad one fails the job)."""
         sample_rate = check_parameters(self.settings, sample_rate, channels, atten_lim_db)
         source = Source(source)
         if not self.ready:
@@ -225,7 +226,7 @@ class Scheduler:
         job = Job(next(self._ids), source, sample_rate, channels, bool(metadata), worker=self.workers[i],
                   ledger=self.ledgers[i], release=self.release)
         self.jobs[job.id] = job
-        job.worker.submit(Open(job, atten_lim_db, band, level))
+        job.worker.submit(Open(job, atten_lim_db, band, level, state))
         return job
 
     def release(self, job: Job) -> None:

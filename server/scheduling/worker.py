@@ -21,10 +21,10 @@ import numpy as np
 
 from enhancer.cursor import StreamCursor
 from enhancer.device_pool import make_pool
-from enhancer.errors import AudioError
+from enhancer.errors import AudioError, StateError
 from enhancer.pools import LanePoolProtocol
 from enhancer.runtime import Enhancer
-from server.errors import ErrorKind, ServiceError
+from server.errors import ErrorKind, ServiceError, from_core
 from server.metrics import Metrics
 from server.scheduling.admission import LaneLedger
 from server.scheduling.batcher import Batcher
@@ -50,7 +50,7 @@ class Worker(threading.Thread):
                  pool: LanePoolProtocol | None = None):
         super().__init__(name=f"tim-worker-{index}", daemon=True)
         s = settings or Settings()
-        self.index, self.enhancer, self.metrics = index, enhancer, metrics
+        self.index, self.enhancer, self.metrics, self.max_state_bytes = index, enhancer, metrics, s.max_state_bytes
         # on CUDA the caches stay on the GPU; with a step server, `pool` is a RemoteLanePool
         self.pool = pool if pool is not None else make_pool(enhancer.engine, pool_size, full_steps=s.full_steps,
                                                                       device_pool=s.device_pool)
@@ -193,9 +193,8 @@ class Worker(threading.Thread):
     def _open(self, cmd: Open) -> None:
         job = cmd.job
         try:
-            job.cursor = StreamCursor(self.enhancer.engine, job.sample_rate, job.channels, cmd.atten_lim_db,
-                                      job.metadata, self.pool, cmd.band, cmd.level)
-        except (AudioError, RuntimeError) as e:  # invalid parameters, or no free lane: reported to the client
+            job.cursor = open_cursor(self.enhancer.engine, self.pool, cmd)
+        except (AudioError, StateError, RuntimeError) as e:  # invalid parameters or state, no free lane: reported
             self._fail(job, e)
             return
         self.jobs[job.id] = job
@@ -218,8 +217,11 @@ class Worker(threading.Thread):
             self._acks_due = True
 
     def _end(self, job: Job, cmd: End) -> None:
-        job.cursor.begin_flush()
-        job.flushing, job.dirty, job.acked = True, True, cmd.seq
+        # suspended: stepped live as before up to the last whole hop (`_deliver_one`); else the tail
+        job.suspending = cmd.suspend and job.live
+        if not job.suspending:
+            job.cursor.begin_flush()
+        job.flushing, job.dirty, job.acked = not job.suspending, True, cmd.seq
         self._acks_due = True
 
     # ------------------------------------------------------------------ delivery
@@ -245,9 +247,12 @@ class Worker(threading.Thread):
             return
         job.dirty = not drained
         audio, final = (c.end_flush(), True) if job.flushing else (c.pull(), False)
+        # a suspended job's state ends it; without one it flushes its tail after all
+        state = take_state(job, self.max_state_bytes) if job.suspending and drained else None
+        final = final or state is not None
         events, job.events = job.events, []
         acked = job.acked if drained else 0
-        self._out.append((job, Delivery(audio, c.log.pop(), acked, final, events=events)))
+        self._out.append((job, Delivery(audio, c.log.pop(), acked, final, events=events, state=state)))
         if final:
             self._drop(job)
 
@@ -257,8 +262,8 @@ class Worker(threading.Thread):
         self._drop(job)
 
     def _fail(self, job: Job, e: Exception, internal: bool = False) -> None:
-        if isinstance(e, AudioError) and not internal:
-            err = ServiceError(ErrorKind.INVALID_AUDIO, str(e))
+        if isinstance(e, (AudioError, StateError)) and not internal:
+            err = from_core(e)
         else:
             err = ServiceError(ErrorKind.INTERNAL, "inference failed; the stream was closed")
         self._out.append((job, Delivery(np.zeros((0, job.channels), np.float32), [], job.acked, True, err)))
@@ -282,6 +287,39 @@ class Worker(threading.Thread):
                 loop.call_soon_threadsafe(_dispatch, batch)
             except RuntimeError:  # loop closed (shutdown): nobody is listening any more
                 pass
+
+
+def open_cursor(engine, pool: LanePoolProtocol, cmd: Open) -> StreamCursor:
+    """The cursor of an opened job, continued from the command's state if it has one (a state that
+    is not of this stream: StateError, and the cursor's lanes given back)."""
+    job = cmd.job
+    cursor = StreamCursor(engine, job.sample_rate, job.channels, cmd.atten_lim_db, job.metadata, pool, cmd.band,
+                          cmd.level)
+    if cmd.state is not None:
+        try:
+            cursor.load_state_bytes(cmd.state)
+        except StateError:
+            cursor.close()
+            raise
+    return cursor
+
+
+def take_state(job: Job, max_bytes: int) -> bytes | None:
+    """A suspended job's state (`StreamCursor.state_bytes`); None, and the job flushing its tail
+    instead, when it cannot be taken or is over `max_bytes`."""
+    try:
+        state = job.cursor.state_bytes()
+    except Exception:
+        log.exception("job %d: its state could not be taken; sending its tail", job.id)
+        state = None
+    if state is not None and len(state) > max_bytes:
+        log.info("job %d: its state (%d bytes) is over max_state_bytes; sending its tail", job.id, len(state))
+        state = None
+    if state is None:
+        job.suspending = False
+        job.cursor.begin_flush()
+        job.flushing = job.dirty = True
+    return state
 
 
 def _dispatch(batch: list[tuple[Job, Delivery]]) -> None:

@@ -12,15 +12,23 @@
 // The microphone is captured at the AudioContext's rate (mixed to mono) and sent in 20 ms f32le
 // chunks; the enhanced audio comes back sample-aligned with it and plays from `output` (and, at
 // the same delay, the original from `original`). On close 1013 (the service is full) the stream
-// waits the error's retry_after_s and connects again; on 1012 (the service restarts), 1001 or a
-// lost connection it reconnects with a backoff and resends the input from the first sample whose
-// output it has not received, `resumeOverlapS` earlier (that output is dropped): nothing is lost,
-// nothing plays twice. Events (CustomEvent, in `detail`): "state" {state, code, message}
-// (connecting, streaming, waiting, reconnecting, ending, ended, error, closed), "ready" (the
-// service's ready message), "activity" {time_s, activity, frames: [{time_s, activity}]} (the speech
-// activity of each 16 ms hop), "metadata" {frames} (activity and the TIM competition, as sent),
-// "input" {samples, total} and "audio" {samples, total} (each chunk sent / enhanced block received),
-// "queue" {enhancedMs} (the playback buffer), "notice" (late, on_time, gap), "error" {kind, message, code}.
+// waits the error's retry_after_s and connects again. The stream is opened "resumable": when the
+// service restarts it sends the output of every whole hop it read, then the stream's state, then
+// closes 1012; the module reconnects at once, hands the state back ("resume_bytes", then the state
+// in binary messages) and, once the ready says "resumed", sends the input from the first sample the
+// state has not seen: the output goes on exactly where it stopped, as if uninterrupted. A restart
+// without a usable state (the service could not take it, or the next replica refuses it: another
+// model), 1001 or a lost connection: it reconnects with a backoff and resends the input from the
+// first sample whose output it has not received, `resumeOverlapS` earlier (that output is dropped):
+// nothing is lost, nothing plays twice. Events (CustomEvent, in `detail`): "state" {state, code,
+// message} (connecting, streaming, waiting, reconnecting, ending, ended, error, closed), "ready" (the
+// service's ready message; "resumed" when it continued from the state), "handoff" {input_samples,
+// output_samples, bytes, kept} (the service restarts and handed over the state: absolute sample
+// positions; kept when the next connection will use it), "activity" {time_s, activity, frames:
+// [{time_s, activity}]} (the speech activity of each 16 ms hop), "metadata" {frames} (activity and
+// the TIM competition, as sent), "input" {samples, total} and "audio" {samples, total} (each chunk
+// sent / enhanced block received), "queue" {enhancedMs} (the playback buffer), "notice" (late,
+// on_time, gap), "error" {kind, message, code}.
 
 const PROCESSORS = `
 class Capture extends AudioWorkletProcessor {
@@ -131,6 +139,9 @@ export class EnhancedStream extends EventTarget {
     this.sessions = 0; // connections that got as far as ready
     this.samplesIn = 0; // samples captured and queued for the service
     this.samplesOut = 0; // enhanced samples received (the overlap of a resume left out)
+    this.resumed = 0; // connections that continued the stream from its state
+    this.handoff = null; // the last "state" message, decoded, until a connection uses it
+    this.origin = 0; // the input sample where the service's stream began (its counts start there)
     this.held = []; // [first sample, Float32Array] of input whose output has not come back yet
     this.ws = null;
     this.ended = false;
@@ -216,15 +227,24 @@ export class EnhancedStream extends EventTarget {
     const url = new URL(o.url || "/v1/stream", import.meta.url);
     url.protocol = url.protocol === "https:" || url.protocol === "wss:" ? "wss:" : "ws:";
     if (o.apiKey) url.searchParams.set("api_key", o.apiKey);
-    const begin = Math.max(0, this.samplesOut - Math.round(o.resumeOverlapS * this.sampleRate));
-    const session = { begin, drop: this.samplesOut - begin, sent: begin, ready: false, opened: false, got: 0, error: null };
+    // begin, drop and sent are set by the ready: where the state resumed, or the overlap's start
+    const session = { begin: 0, drop: 0, sent: 0, ready: false, opened: false, got: 0, error: null, handoff: null };
     const ws = new WebSocket(url);
     ws.binaryType = "arraybuffer";
     this.setState(this.sessions ? "reconnecting" : "connecting");
     ws.onopen = () => {
       session.opened = true;
-      ws.send(JSON.stringify({ sample_rate: this.sampleRate, encoding: "f32le", channels: 1, atten_lim_db: o.atten_lim_db,
-        band: o.band, level: o.level, metadata: o.metadata }));
+      session.handoff = this.handoff; // used once: a state is of one moment of the stream
+      this.handoff = null;
+      const start = { sample_rate: this.sampleRate, encoding: "f32le", channels: 1, atten_lim_db: o.atten_lim_db,
+        band: o.band, level: o.level, metadata: o.metadata, resumable: true };
+      const blob = session.handoff && session.handoff.state;
+      if (blob) start.resume_bytes = blob.length;
+      ws.send(JSON.stringify(start));
+      if (blob) { // the state right after the start message, before any audio
+        const most = (this.ready && this.ready.max_message_bytes) || 1 << 20;
+        for (let i = 0; i < blob.length; i += most) ws.send(blob.slice(i, i + most));
+      }
     };
     ws.onmessage = (e) => (typeof e.data === "string" ? this.onText(ws, session, JSON.parse(e.data)) : this.onAudio(session, e.data));
     ws.onclose = (e) => this.onClose(ws, session, e.code);
@@ -232,6 +252,13 @@ export class EnhancedStream extends EventTarget {
 
   onText(ws, session, msg) {
     if (msg.type === "ready") {
+      if (session.ready) return;
+      if (!this.begin(session, msg)) {
+        ws.onclose = null;
+        ws.close();
+        if (this.ws === ws) this.ws = null;
+        return;
+      }
       this.ready = msg;
       this.sessions += 1;
       session.ready = true;
@@ -251,9 +278,54 @@ export class EnhancedStream extends EventTarget {
       }
     } else if (msg.type === "error") {
       session.error = msg;
+    } else if (msg.type === "state") {
+      this.keepState(msg);
     } else if (msg.type !== "end") {
       this.emit("notice", msg); // late, on_time, gap, and types of later versions
     }
+  }
+
+  /** Where this connection's input starts (the ready `msg`): where the state resumed, or the overlap
+   * before the first output sample missing; false (and the stream fails) if the service resumed
+   * elsewhere than where the output stopped. */
+  begin(session, msg) {
+    const resumed = msg.resumed;
+    if (session.handoff && resumed && typeof resumed === "object") {
+      const at = this.origin + resumed.output_samples;
+      if (at !== this.samplesOut) {
+        this.failWith({ kind: "protocol", message: `the service resumed at output sample ${at}, ${this.samplesOut} were delivered` });
+        return false;
+      }
+      this.resumed += 1;
+      session.begin = this.origin + resumed.input_samples;
+      session.drop = 0;
+    } else {
+      this.origin = Math.max(0, this.samplesOut - Math.round(this.options.resumeOverlapS * this.sampleRate));
+      session.begin = this.origin;
+      session.drop = this.samplesOut - session.begin;
+    }
+    session.sent = session.begin;
+    return true;
+  }
+
+  /** A "state" message (the service restarts): kept for the next connection if it starts where the
+   * output stopped and the input it needs is still held. */
+  keepState(msg) {
+    let state = null, atIn = NaN, atOut = NaN;
+    try {
+      const text = atob(msg.state || "");
+      state = new Uint8Array(text.length);
+      for (let i = 0; i < text.length; i++) state[i] = text.charCodeAt(i);
+      atIn = this.origin + msg.input_samples;
+      atOut = this.origin + msg.output_samples;
+    } catch (e) {
+      state = null; // not base64: the next connection resumes with the overlap
+    }
+    const held0 = this.held.length ? this.held[0][0] : this.samplesIn;
+    const kept = !!(state && state.length && Number.isInteger(atIn) && Number.isInteger(atOut) &&
+      atOut === this.samplesOut && held0 <= atIn && atIn <= this.samplesIn);
+    if (kept) this.handoff = { state, input_samples: atIn, output_samples: atOut };
+    this.emit("handoff", { input_samples: atIn, output_samples: atOut, bytes: state ? state.length : 0, kept });
   }
 
   onAudio(session, buffer) {
@@ -293,7 +365,8 @@ export class EnhancedStream extends EventTarget {
       return this.failWith({ kind: (error && error.kind) || "unreachable",
         message: `gave up after ${this.options.maxRetries} tries (last: ${code}${error ? `, ${error.message}` : ""})`, code });
     }
-    const wait = code === 1013 ? (error && error.retry_after_s) || 5 : 0.25 * 2 ** Math.max(this.tries - 1, 0);
+    let wait = code === 1013 ? (error && error.retry_after_s) || 5 : 0.25 * 2 ** Math.max(this.tries - 1, 0);
+    if (code === 1012 && this.handoff && this.tries <= 1) wait = 0; // the state is in hand: continue at once
     this.setState(code === 1013 ? "waiting" : "reconnecting", code, error && error.message);
     this.timer = setTimeout(() => this.connect(), 1000 * Math.min(wait, this.options.maxWaitS));
   }

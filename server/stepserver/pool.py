@@ -1,5 +1,6 @@
 """`RemoteLanePool`: the lane pool a front-end (`enhancer serve --step-server`) steps through the
-step server, with `LanePool`'s interface (alloc, free, reset, run, step, n_free, capacity)."""
+step server, with `LanePool`'s interface (alloc, free, reset, run, step, export_lanes, import_lanes,
+n_free, capacity)."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,12 @@ import time
 import numpy as np
 
 from enhancer.engine import Stepping, StepResult
+from enhancer.pools import check_lane_arrays, lane_shapes
 
 from . import auth, wire
 
 log = logging.getLogger("tim_enhancer.stepserver")
+STATE_BYTES = 32 << 20  # an export or import moves at most this much lane state per message (one lane at least)
 
 
 class StepServerError(RuntimeError):
@@ -142,7 +145,7 @@ class RemoteLanePool(Stepping):
             self._lock.release()
 
     def _call(self, kind: str, *args) -> wire.Message:
-        """One request ("hello", "alloc", "free", "reset", "run") and its reply."""
+        """One request ("hello", "alloc", "free", "reset", "run", "export", "import") and its reply."""
         with self._lock:
             if self.conn is None:
                 if time.monotonic() < self._next_try:
@@ -197,6 +200,39 @@ class RemoteLanePool(Stepping):
             return wire.to_result(reply)
         except wire.ProtocolError as e:
             raise StepServerError(f"the step server at {self.address} sent a malformed result: {e}") from None
+
+    def export_lanes(self, lanes: np.ndarray) -> dict[str, np.ndarray]:
+        """The state of `lanes` (this front-end's) from the step server, in messages of at most
+        STATE_BYTES of state each, checked against the model's arrays."""
+        lanes = np.asarray(self._held(lanes), dtype=np.int64)
+        parts = []
+        for part in self._parts(len(lanes)):
+            reply = self._call("export", lanes[part])
+            try:
+                parts.append(check_lane_arrays(self.engine, len(lanes[part]), wire.to_lane_state(reply)))
+            except ValueError as e:  # a ProtocolError too
+                raise StepServerError(f"the step server at {self.address} sent a malformed lane state: {e}") from None
+        if len(parts) == 1:
+            return parts[0]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+    def import_lanes(self, lanes: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        """Set the state of `lanes` (this front-end's, each once) on the step server, in messages of
+        at most STATE_BYTES of state each; ValueError, and nothing sent, when an array's name,
+        shape or dtype is not the model's. (A connection that breaks half-way leaves the lanes
+        gone with it.)"""
+        lanes = np.asarray(self._held(lanes), dtype=np.int64)
+        if len(set(lanes.tolist())) != len(lanes):
+            raise ValueError("lanes repeat")
+        arrays = check_lane_arrays(self.engine, len(lanes), arrays)
+        for part in self._parts(len(lanes)):
+            self._call("import", lanes[part], {name: a[part] for name, a in arrays.items()})
+
+    def _parts(self, k: int) -> list[slice]:
+        """k lanes in parts of at most STATE_BYTES of state (one part when k is 0)."""
+        per_lane = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in lane_shapes(self.engine, 1).values())
+        per = max(1, STATE_BYTES // per_lane)
+        return [slice(i, min(i + per, k)) for i in range(0, k, per)] or [slice(0, 0)]
 
     def close(self) -> None:
         with self._lock:

@@ -15,7 +15,9 @@ the last round, and runs all its live steps (one hop) as one batched call (over 
 with `--full-steps`); multi-frame calls (files, backlogs) run one by one after it. Both go through
 `server.scheduling.calls.run_parts`: a batched call that fails is retried part by part, so a fault
 tied to one front-end's streams fails that call only. A front-end that disconnects, or sends a
-malformed message, is dropped and its lanes freed.
+malformed message, is dropped and its lanes freed. A front-end may also read out the state of
+its lanes and set it in others of its own (`export_lanes`, `import_lanes`: a stream handed from one
+process to another); a state that is not the model's is refused with an error, the front-end kept.
 
 Transport: a Unix stream socket (mode 0600) and the framed binary messages of `wire` (raw arrays,
 no pickle). The step server does not start without a shared key; a connection must complete the
@@ -26,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import time
 
 import numpy as np
 
 from enhancer.errors import EnhancerError
+from enhancer.pools import check_lane_arrays, lane_shapes
 from server.scheduling.calls import Part, run_parts
 
 from . import auth, wire
@@ -175,9 +179,29 @@ class StepServer:
         if msg.kind == wire.FREE:
             front.lanes.difference_update(lanes)
             self.pool.free(lanes)
-        else:  # wire.check_request let only these through
+        elif msg.kind == wire.RESET:
             self.pool.reset(np.asarray(lanes, dtype=np.int64))
+        elif msg.kind == wire.EXPORT:
+            return wire.lane_state(msg.request, self._export(lanes))
+        else:  # wire.check_request let only these through
+            self._import(lanes, msg)
         return wire.ok(msg.request)
+
+    def _export(self, lanes: list[int]) -> dict:
+        """The state of `lanes` (a front-end's), if one reply can carry it (ValueError else)."""
+        size = sum(math.prod(shape) * dt.itemsize for shape, dt in lane_shapes(self.pool.engine, len(lanes)).values())
+        if size > wire.MAX_STATE:
+            raise ValueError(f"the state of {len(lanes)} lanes takes {size} bytes, one message holds "
+                             f"{wire.MAX_STATE}: export fewer lanes at a time")
+        return self.pool.export_lanes(np.asarray(lanes, dtype=np.int64))
+
+    def _import(self, lanes: list[int], msg: wire.Message) -> None:
+        """Set the state of `lanes` (a front-end's, each once) from an IMPORT's packed state, checked
+        against the model's arrays first (ValueError, and nothing changed, if it is not)."""
+        if len(set(lanes)) != len(lanes):
+            raise ValueError("import: lanes repeat")
+        arrays = check_lane_arrays(self.pool.engine, len(lanes), wire.to_lane_state(msg))
+        self.pool.import_lanes(np.asarray(lanes, dtype=np.int64), arrays)
 
     def _run(self, lanes: np.ndarray, hops: np.ndarray, gains: np.ndarray):
         r = self.pool.run(lanes, hops, gains)

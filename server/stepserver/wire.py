@@ -10,6 +10,7 @@ A frame is a fixed header followed by a body (all integers little-endian):
                        to a multiple of 8, then each
                        array's C-order bytes, each followed by zero bytes up to a multiple of 8
 
+Dtype codes: 1 float32, 2 int64, 3 int32, 4 float64, 5 float16, 6 uint8, 7 int8.
 The body's length must be exactly what its descriptors and meta add up to. Decoding checks
 everything (magic, version, kind, counts and lengths against the limits, dtype codes, dims) and
 raises `ProtocolError` (a `ValueError`) on anything else. Arrays decode as views of the frame's
@@ -23,6 +24,13 @@ Requests and their replies (a reply carries its request's id):
     RUN, lanes (k,) int64, hops (k, T, hop) float32, gains (k,) float32
                                -> RESULT, meta {"arrays": the StepResult fields sent, in order},
                                   arrays: out, [competition], activity
+    EXPORT, lanes (k,)         -> OK, the lanes' state (`export_lanes`' arrays) packed (`pack_state`):
+                                  meta {"names": [...], "shapes": [[k, ...], ...], "dtypes": [code, ...]},
+                                  arrays: per dtype (in the order they first come in "dtypes"), its
+                                  arrays raveled and concatenated in the order of "names" (1-D)
+    IMPORT, lanes (k,), then a packed state as EXPORT's reply, its meta too
+                               -> OK (`import_lanes`; a state that does not unpack to the model's
+                                  arrays is an ERROR reply, as a failed call)
     any request                -> ERROR, meta {"error": message} when it fails
 
 CHALLENGE, PROOF, WELCOME and ERROR also make up the handshake (`auth`).
@@ -50,14 +58,16 @@ MAX_META = 64 * 1024
 MAX_MESSAGE = 256 * 1024 * 1024  # the body of one frame, at most
 ALIGN = 8
 
-CHALLENGE, PROOF, WELCOME, HELLO, ALLOC, FREE, RESET, RUN, OK, RESULT, ERROR = range(1, 12)
+CHALLENGE, PROOF, WELCOME, HELLO, ALLOC, FREE, RESET, RUN, OK, RESULT, ERROR, EXPORT, IMPORT = range(1, 14)
 KINDS = {CHALLENGE: "challenge", PROOF: "proof", WELCOME: "welcome", HELLO: "hello", ALLOC: "alloc", FREE: "free",
-         RESET: "reset", RUN: "run", OK: "ok", RESULT: "result", ERROR: "error"}
-REQUESTS = {HELLO, ALLOC, FREE, RESET, RUN}
+         RESET: "reset", RUN: "run", OK: "ok", RESULT: "result", ERROR: "error", EXPORT: "export", IMPORT: "import"}
+REQUESTS = {HELLO, ALLOC, FREE, RESET, RUN, EXPORT, IMPORT}
 DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4"), 4: np.dtype("<f8"), 5: np.dtype("<f2"),
-          6: np.dtype("u1")}
+          6: np.dtype("u1"), 7: np.dtype("i1")}
 CODES = {dt: code for code, dt in DTYPES.items()}
 RESULT_FIELDS = ("out", "competition", "activity")
+# the most bytes of packed lane state one message can carry (the rest of MAX_MESSAGE: descriptors, meta, padding)
+MAX_STATE = MAX_MESSAGE - MAX_META - MAX_ARRAYS * (ARRAY.size + 2 * ALIGN)
 
 
 class ProtocolError(ValueError):
@@ -270,13 +280,18 @@ class Reader:
 # the requests and replies
 
 def request(kind: str, rid: int, *args) -> Message:
-    """The request `kind` ("hello", "alloc" n, "free" lanes, "reset" lanes, "run" lanes hops gains)."""
+    """The request `kind` ("hello", "alloc" n, "free" lanes, "reset" lanes, "run" lanes hops gains,
+    "export" lanes, "import" lanes arrays: `export_lanes`' arrays by name)."""
     if kind == "hello":
         return Message(HELLO, rid)
     if kind == "alloc":
         return Message(ALLOC, rid, {"n": int(args[0])})
-    if kind in ("free", "reset"):
-        return Message(FREE if kind == "free" else RESET, rid, arrays=(np.asarray(args[0], dtype=np.int64),))
+    if kind in ("free", "reset", "export"):
+        kinds = {"free": FREE, "reset": RESET, "export": EXPORT}
+        return Message(kinds[kind], rid, arrays=(np.asarray(args[0], dtype=np.int64),))
+    if kind == "import":
+        meta, packs = pack_state(args[1])
+        return Message(IMPORT, rid, meta, (np.asarray(args[0], dtype=np.int64), *packs))
     if kind == "run":
         lanes, hops, gains = args
         return Message(RUN, rid, arrays=(np.asarray(lanes, dtype=np.int64), np.asarray(hops, dtype=np.float32),
@@ -288,9 +303,10 @@ def check_request(msg: Message) -> None:
     """ProtocolError unless `msg` is a request with the arrays and meta its kind takes."""
     if msg.kind not in REQUESTS:
         raise ProtocolError(f"a {KINDS[msg.kind]} message where a request was due")
-    want = {HELLO: 0, ALLOC: 0, FREE: 1, RESET: 1, RUN: 3}[msg.kind]
-    if len(msg.arrays) != want:
-        raise ProtocolError(f"{KINDS[msg.kind]} with {len(msg.arrays)} arrays (takes {want})")
+    want = {HELLO: 0, ALLOC: 0, FREE: 1, RESET: 1, RUN: 3, EXPORT: 1, IMPORT: 1}[msg.kind]
+    more = msg.kind == IMPORT  # lanes, then the packs of a state (checked where it is unpacked: `unpack_state`)
+    if len(msg.arrays) < want or (len(msg.arrays) > want and not more):
+        raise ProtocolError(f"{KINDS[msg.kind]} with {len(msg.arrays)} arrays (takes {want}{' or more' * more})")
     if msg.kind == ALLOC:
         n = msg.meta.get("n")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -329,3 +345,69 @@ def to_result(msg: Message) -> StepResult:
         raise ProtocolError(f"not a run's result: a {KINDS.get(msg.kind, msg.kind)} message with {msg.meta}")
     fields = dict.fromkeys(RESULT_FIELDS) | dict(zip(names, msg.arrays))
     return StepResult(**fields)
+
+
+# lane state (EXPORT, IMPORT): the arrays of `export_lanes`, a few dozen, packed into one array per dtype
+
+def pack_state(arrays: dict) -> tuple[dict, tuple]:
+    """`export_lanes`' arrays (by name) as (meta, packs): meta {"names", "shapes", "dtypes" (codes)}
+    in the arrays' order; packs: per dtype, in the order they first come, its arrays raveled and
+    concatenated (1-D)."""
+    names, shapes, codes, groups = [], [], [], {}
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        code = CODES.get(a.dtype)
+        if code is None:
+            raise ProtocolError(f"lane state {name!r}: dtype {a.dtype} cannot be sent")
+        names.append(str(name))
+        shapes.append(list(a.shape))
+        codes.append(code)
+        groups.setdefault(code, []).append(a.reshape(-1))
+    packs = tuple(np.concatenate(g) if len(g) > 1 else g[0] for g in groups.values())
+    return {"names": names, "shapes": shapes, "dtypes": codes}, packs
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 32
+
+
+def unpack_state(meta: dict, packs) -> dict[str, np.ndarray]:
+    """The arrays (by name, views of the packs) of a packed state, checked: ProtocolError unless the
+    meta and the packs are exactly what `pack_state` makes of some arrays."""
+    names, shapes, codes = (meta.get(key) for key in ("names", "shapes", "dtypes"))
+    if not all(isinstance(x, list) for x in (names, shapes, codes)) or not len(names) == len(shapes) == len(codes):
+        raise ProtocolError("lane state: the meta needs names, shapes and dtypes, lists of one length")
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise ProtocolError("lane state: the names must be distinct strings")
+    if not all(_count(c) and c in DTYPES for c in codes):
+        raise ProtocolError(f"lane state: unknown dtype codes in {codes[:64]}")
+    if not all(isinstance(d, list) and len(d) <= MAX_NDIM and all(_count(n) for n in d) for d in shapes):
+        raise ProtocolError(f"lane state: shapes must be lists of at most {MAX_NDIM} dimensions")
+    order = list(dict.fromkeys(codes))  # the packs' dtypes
+    if len(packs) != len(order) or any(p.ndim != 1 or p.dtype != DTYPES[c] for p, c in zip(packs, order)):
+        got = [f"{p.dtype}{list(p.shape)}" for p in packs]
+        raise ProtocolError(f"lane state: packs {got}, expected one 1-D array of each of {[str(DTYPES[c]) for c in order]}")
+    used = dict.fromkeys(order, 0)
+    out = {}
+    for name, shape, code in zip(names, shapes, codes):
+        pack, n = packs[order.index(code)], math.prod(shape)
+        if used[code] + n > len(pack):
+            raise ProtocolError(f"lane state {name!r}: shape {shape} runs past its pack of {len(pack)}")
+        out[name] = pack[used[code]:used[code] + n].reshape(shape)
+        used[code] += n
+    if any(used[c] != len(p) for p, c in zip(packs, order)):
+        raise ProtocolError("lane state: its packs hold more than its arrays")
+    return out
+
+
+def lane_state(rid: int, arrays: dict) -> Message:
+    """An EXPORT's reply: OK with `arrays` packed."""
+    meta, packs = pack_state(arrays)
+    return Message(OK, rid, meta, packs)
+
+
+def to_lane_state(msg: Message) -> dict[str, np.ndarray]:
+    """The arrays of an EXPORT's reply (ProtocolError if it is not one) or of an IMPORT request."""
+    if msg.kind not in (OK, IMPORT):
+        raise ProtocolError(f"not a lane state: a {KINDS.get(msg.kind, msg.kind)} message")
+    return unpack_state(msg.meta, msg.arrays[1:] if msg.kind == IMPORT else msg.arrays)

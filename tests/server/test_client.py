@@ -250,18 +250,13 @@ def _best_lag(y: np.ndarray, ref: np.ndarray, most: int = 64) -> int:
     return min(errors, key=errors.get)
 
 
-@pytest.mark.parametrize("overlap_s", [0.0, 0.5])
-def test_a_restart_mid_stream_is_resumed_without_losing_or_repeating_audio(model_path, enhancer_rt, overlap_s):
-    """The service drains (its tail, end "shutdown", 1012), nothing listens for a while, then it is
-    back: the output has the input's length; before the restart it is the uninterrupted run's own
-    output (but for the model's lookahead before the restart point), after it a new stream's from `overlap_s` before the restart point, at lag 0 against the
-    uninterrupted run (nothing lost, nothing repeated)."""
-    first = LiveServer(model=model_path, **(TEST_LIMITS | dict(drain_timeout_s=0.3)))  # streams closed 0.3 s in
+def _restart_mid_stream(model_path, x, first_limits: dict, overlap_s: float = 1.0):
+    """Stream `x` at real-time pace; 1 s in, the service drains (close 1012) and nothing listens
+    for 0.5 s, then a new one is there on the same port: (output, the stream, its messages)."""
+    first = LiveServer(model=model_path, **(TEST_LIMITS | dict(drain_timeout_s=0.3) | first_limits))
     second = None
+    messages = []
     try:
-        x = speechlike(3 * SR, SR, seed=86)
-        messages = []
-
         async def run():
             nonlocal second
             client = Client(first.base)
@@ -276,7 +271,7 @@ def test_a_restart_mid_stream_is_resumed_without_losing_or_repeating_audio(model
 
                 task = asyncio.create_task(produce())
                 await asyncio.sleep(1.0)
-                await asyncio.to_thread(first.stop)  # drains: the tail, end "shutdown", close 1012
+                await asyncio.to_thread(first.stop)  # drains: end "shutdown", close 1012
                 await asyncio.sleep(0.5)  # nothing listens meanwhile: the client backs off and retries
                 second = await asyncio.to_thread(_serve_on, first.port, model_path)
                 await task
@@ -284,27 +279,58 @@ def test_a_restart_mid_stream_is_resumed_without_losing_or_repeating_audio(model
             return y, s
 
         y, s = asyncio.run(run())
-        ends = [m for m in messages if m.get("type") == "end"]
-        assert len(ends) == 2 and ends[0]["reason"] == "shutdown" and "reason" not in ends[1], ends
-        assert s.sessions == 2
-        n = ends[0]["samples"]  # what the first server read and enhanced
-        assert 0 < n < len(x) and y.shape == x.shape
-        whole = enhancer_rt.enhance(x, SR)
-        # the first stream's output, tail included: the uninterrupted run's, but for the last 48 ms
-        # before n, enhanced without the lookahead that came after the drain
-        assert_close_to_peak(y[:n], enhancer_rt.enhance(x[:n], SR))
-        lookahead = enhancer_rt.config.delay_samples
-        # (offline runs of different lengths group the hops into calls differently: a few float32 ulps more)
-        assert_close_to_peak(y[:n - lookahead], whole[:n - lookahead], rel=3e-4)
-        begin = max(0, n - int(overlap_s * SR))
-        assert ends[1]["samples"] == len(x) - begin
-        assert_close_to_peak(y[n:], enhancer_rt.enhance(x[begin:], SR)[n - begin:])
-        assert _best_lag(y[n:], whole[n:]) == 0
+        return y, s, messages
     finally:
         first.stop()
         if second is not None:
             second[0].should_exit = True
             second[1].join(timeout=15)
+
+
+def test_a_restart_mid_stream_is_continued_from_its_state_as_if_uninterrupted(model_path, enhancer_rt):
+    """The service drains: the output of every whole hop it read, a "state" message, end "shutdown",
+    1012; the client hands the state to the next replica and sends the input from where the state
+    stops: the whole output equals the uninterrupted run's, sample for sample."""
+    x = speechlike(3 * SR, SR, seed=86)
+    y, s, messages = _restart_mid_stream(model_path, x, {})
+    states = [m for m in messages if m.get("type") == "state"]
+    ends = [m for m in messages if m.get("type") == "end"]
+    readies = [m for m in messages if m.get("type") == "ready"]
+    assert len(states) == 1 and len(ends) == 2 and ends[0]["reason"] == "shutdown", ends
+    at_in, at_out = states[0]["input_samples"], states[0]["output_samples"]
+    assert 0 < at_out < at_in < len(x) and ends[0]["samples"] == at_out
+    assert readies[1]["resumed"] == {"input_samples": at_in, "output_samples": at_out}
+    assert s.sessions == 2 and s.resumed == 1 and ends[1] == {"type": "end", "samples": len(x)}
+    assert y.shape == x.shape
+    # (the offline run groups hops into calls of many frames, the live one steps them one by one)
+    assert_close_to_peak(y, enhancer_rt.enhance(x, SR), rel=3e-4)
+
+
+@pytest.mark.parametrize("overlap_s", [0.0, 0.5])
+def test_a_restart_without_a_state_is_resumed_without_losing_or_repeating_audio(model_path, enhancer_rt, overlap_s):
+    """A service that cannot hand the state over (over its max_state_bytes) sends the tail of all it
+    read instead (end "shutdown", 1012); the client resumes there: the output has the input's length;
+    before the restart it is the uninterrupted run's own output (but for the model's lookahead
+    before the restart point), after it a new stream's from `overlap_s` before the restart point, at
+    lag 0 against the uninterrupted run (nothing lost, nothing repeated)."""
+    x = speechlike(3 * SR, SR, seed=86)
+    y, s, messages = _restart_mid_stream(model_path, x, dict(max_state_bytes=1024), overlap_s)
+    ends = [m for m in messages if m.get("type") == "end"]
+    assert len(ends) == 2 and ends[0]["reason"] == "shutdown" and "reason" not in ends[1], ends
+    assert s.sessions == 2 and s.resumed == 0 and not any(m.get("type") == "state" for m in messages)
+    n = ends[0]["samples"]  # what the first server read and enhanced
+    assert 0 < n < len(x) and y.shape == x.shape
+    whole = enhancer_rt.enhance(x, SR)
+    # the first stream's output, tail included: the uninterrupted run's, but for the last 48 ms
+    # before n, enhanced without the lookahead that came after the drain
+    assert_close_to_peak(y[:n], enhancer_rt.enhance(x[:n], SR))
+    lookahead = enhancer_rt.config.delay_samples
+    # (offline runs of different lengths group the hops into calls differently: a few float32 ulps more)
+    assert_close_to_peak(y[:n - lookahead], whole[:n - lookahead], rel=3e-4)
+    begin = max(0, n - int(overlap_s * SR))
+    assert ends[1]["samples"] == len(x) - begin
+    assert_close_to_peak(y[n:], enhancer_rt.enhance(x[begin:], SR)[n - begin:])
+    assert _best_lag(y[n:], whole[n:]) == 0
 
 
 # ---------------------------------------------------------------------------------------------- enhancer stream

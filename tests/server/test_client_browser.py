@@ -1,22 +1,26 @@
 """The browser module (/client.js) in real headless Chromium with a fake microphone playing a real
 noisy recording: the README's example as written, from a page of another origin; the enhanced
 MediaStream carries audio and the speech activity comes as events; a restart of the service (1012)
-is resumed with no sample lost; a full service (1013) is waited out; a refusal is an error with
-the service's kind."""
+is continued from the state it hands over, as if uninterrupted, and without a state (one the
+service could not take) resumed with the overlap, no sample lost or repeated; a full service (1013)
+is waited out; a refusal is an error with the service's kind."""
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile as sf
 from websockets.sync.client import connect
 
 from .browser import Chromium
 from .conftest import TEST_LIMITS, LiveServer
-from .test_client import _serve_on
+from .test_client import _best_lag, _serve_on
+from tests.tolerance import assert_close_to_peak
 
 ROOT = Path(__file__).resolve().parents[2]
 NOISY = ROOT / "tests" / "fixtures" / "golden" / "noisy.flac"  # real noisy speech (p287), 16 kHz, 4 s
@@ -94,10 +98,20 @@ def test_the_readme_example_runs_from_a_page_of_another_origin(live, browser_ava
 OPEN = """(async () => {{
     const {{ EnhancedStream }} = await import('{base}/client.js');
     const mic = await navigator.mediaDevices.getUserMedia({{ audio: true }});
-    const t = window.t = {{ states: [], activity: 0, outPeak: 0, error: null }};
+    const t = window.t = {{ states: [], activity: 0, outPeak: 0, error: null, inputs: [], outputs: [], readies: [],
+                           handoffs: [], restart: null }};
     const s = t.s = new EnhancedStream(mic, {options});
-    s.addEventListener('state', (e) => t.states.push(e.detail.state));
+    s.addEventListener('state', (e) => {{
+        t.states.push(e.detail.state);
+        // the first close that is resumed: its code, and the output received by then
+        if (e.detail.state === 'reconnecting' && e.detail.code !== null && !t.restart) t.restart = {{ code: e.detail.code, samplesOut: s.samplesOut }};
+    }});
     s.addEventListener('activity', (e) => {{ t.activity += e.detail.frames.length; }});
+    // every sample sent and received, in order, and the messages of a resume
+    s.addEventListener('input', (e) => t.inputs.push(e.detail.samples.slice()));
+    s.addEventListener('audio', (e) => t.outputs.push(e.detail.samples.slice()));
+    s.addEventListener('ready', (e) => t.readies.push(e.detail));
+    s.addEventListener('handoff', (e) => t.handoffs.push(e.detail));
     s.start().then(() => {{
         t.started = true;
         // what plays from the enhanced MediaStream, read back by a second AudioContext
@@ -121,11 +135,35 @@ def stop(page: Chromium) -> dict:
                          "sessions: window.t.s.sessions, state: window.t.s.state}))")
 
 
-def test_the_module_streams_survives_a_restart_and_loses_nothing(model_path, browser_available, mic_file):
+PCM = """(() => {{
+    const parts = window.t.{which};
+    const all = new Float32Array(parts.reduce((n, p) => n + p.length, 0));
+    let at = 0;
+    for (const p of parts) {{ all.set(p, at); at += p.length; }}
+    const b = new Uint8Array(all.buffer);
+    let text = '';
+    for (let i = 0; i < b.length; i += 0x8000) text += String.fromCharCode.apply(null, b.subarray(i, i + 0x8000));
+    return btoa(text);
+}})()"""
+
+
+def recorded(page: Chromium, which: str) -> np.ndarray:
+    """Every sample the stream sent ("inputs") or received ("outputs"), in order."""
+    return np.frombuffer(base64.b64decode(page.evaluate(PCM.format(which=which))), "<f4")
+
+
+@pytest.mark.parametrize("handoff", [True, False], ids=["state", "overlap"])
+def test_the_module_streams_survives_a_restart_and_loses_nothing(model_path, enhancer_rt, browser_available, mic_file,
+                                                                 handoff):
     """openStream(microphone): the enhanced MediaStream carries audio, activity events come; the
-    service drains (1012) and comes back on the same port: the module reconnects, resends what
-    has no output yet and, stopped, has received exactly as many enhanced samples as it sent."""
-    first = LiveServer(model=model_path, **(TEST_LIMITS | dict(drain_timeout_s=0.3)))
+    service drains (1012) and comes back on the same port: the module reconnects and, stopped, has
+    received exactly as many enhanced samples as it sent. With the state the service hands over
+    ("state" message), the second connection continues the stream ("resumed") and the whole output
+    equals the uninterrupted enhancement of all that was sent; without it (a first service whose
+    max_state_bytes is too small for it: the tail instead), the module resends from resumeOverlapS
+    before the missing output, and the output goes on at lag 0: nothing lost, nothing repeated."""
+    limits = {} if handoff else dict(max_state_bytes=1024)
+    first = LiveServer(model=model_path, **(TEST_LIMITS | dict(drain_timeout_s=0.3) | limits))
     second = None
     page = Chromium(first.base + "/healthz", mic_file)
     try:
@@ -146,6 +184,9 @@ def test_the_module_streams_survives_a_restart_and_loses_nothing(model_path, bro
         done = stop(page)
         assert done["complete"] is True and done["samples"] == done["samplesIn"] > 3 * t["rate"], done
         assert done["state"] == "ended" and done["sessions"] == 2, done
+        r = page.evaluate("({readies: t.readies, handoffs: t.handoffs, restart: t.restart, "
+                          "resumed: t.s.resumed})")
+        x, y = recorded(page, "inputs"), recorded(page, "outputs")
         assert unexpected_errors(page) == []
     finally:
         page.close()
@@ -153,6 +194,35 @@ def test_the_module_streams_survives_a_restart_and_loses_nothing(model_path, bro
         if second is not None:
             second[0].should_exit = True
             second[1].join(timeout=15)
+    rate, n = t["rate"], r["restart"]["samplesOut"]  # n: the output received when the first service closed
+    assert len(x) == len(y) == done["samplesIn"] and 0 < n < len(x), (len(x), len(y), done, n)
+    # (1006: now and then the browser sees the connection cut after the state message and the end,
+    # before the close frame; the state is kept and used all the same)
+    assert r["restart"]["code"] in (1012, 1006), r["restart"]
+    first_ready, second_ready = r["readies"]
+    assert first_ready["resumable"] is True and "resumed" not in first_ready, first_ready
+    whole = enhancer_rt.enhance(x, rate)
+    if handoff:
+        (h,) = r["handoffs"]  # the service's "state" message, in absolute samples
+        assert h["kept"] is True and h["bytes"] > 1024 and h["output_samples"] == n < h["input_samples"] <= len(x), h
+        assert second_ready["resumed"] == {"input_samples": h["input_samples"], "output_samples": n}, second_ready
+        assert r["resumed"] == 1
+        # (the offline run groups hops into calls of many frames, the live one steps them one by one)
+        assert_close_to_peak(y, whole, rel=3e-4)
+    else:
+        assert r["handoffs"] == [] and r["resumed"] == 0 and "resumed" not in second_ready, r
+        # before the restart: the first stream's output, its tail included: the enhancement of all it
+        # read; the uninterrupted run's but for the end, enhanced without the lookahead that came
+        # after the drain (the model's, and the reach of the resamplers' filters to and from the
+        # model's rate: 50 ms more at most)
+        assert_close_to_peak(y[:n], enhancer_rt.enhance(x[:n], rate))
+        reach = second_ready["delay_samples"] + rate // 20
+        assert_close_to_peak(y[:n - reach], whole[:n - reach], rel=3e-4)
+        # after it: a new stream's from 1 s (resumeOverlapS) before, its overlap dropped, at lag 0
+        # against the uninterrupted run
+        begin = max(0, n - rate)
+        assert_close_to_peak(y[n:], enhancer_rt.enhance(x[begin:], rate)[n - begin:])
+        assert _best_lag(y[n:], whole[n:]) == 0
 
 
 def test_a_full_service_is_waited_out_and_a_refusal_has_its_kind(model_path, browser_available, mic_file):

@@ -224,7 +224,9 @@ def test_every_message_kind_round_trips_through_the_wire(rng):
     r = StepResult(out=hops[:, :, ::2], competition=rng.random((3, 2, 5, 2)).astype(np.float32),
                    activity=rng.random((3, 2)).astype(np.float32))
     others = (np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros((0, 4), np.float64), np.float16([1.5, -2]),
-              np.uint8([0, 255]), np.float32(3.25))
+              np.uint8([0, 255]), np.float32(3.25), np.int8([-128, 0, 127]))
+    state = {"pos": np.array([3, 40, 7], np.int64), "prev_hop": hops[:, 0, :8], "k0": np.int8([[[-128, 5], [0, 127]]] * 3),
+             "v0": rng.standard_normal((3, 2, 2, 2)).astype(np.float32), "empty": np.zeros((3, 0), np.float32)}
     messages = [wire.Message(wire.CHALLENGE, meta={"nonce": "ab" * 32}),
                 wire.Message(wire.PROOF, meta={"mac": "cd" * 32, "nonce": "ef" * 32}),
                 wire.Message(wire.WELCOME, meta={"mac": "01" * 32}),
@@ -234,7 +236,8 @@ def test_every_message_kind_round_trips_through_the_wire(rng):
                 wire.ok(6, arrays=(lanes,)), wire.result(7, r),
                 wire.result(8, StepResult(out=r.out, competition=None, activity=r.activity)),
                 wire.error(9, "ValueError: lanes [3] are not this front-end's \u2013 \u00e9"),
-                wire.Message(wire.OK, 10, arrays=others)]
+                wire.Message(wire.OK, 10, arrays=others),
+                wire.request("export", 11, lanes), wire.request("import", 12, lanes, state), wire.lane_state(13, state)]
     assert {m.kind for m in messages} == set(wire.KINDS)
     for m in messages:
         got = wire.decode(wire.frame(m))
@@ -246,6 +249,10 @@ def test_every_message_kind_round_trips_through_the_wire(rng):
     back = wire.to_result(wire.decode(wire.frame(wire.result(7, r))))
     assert all(_same(getattr(r, f), getattr(back, f)) for f in ("out", "competition", "activity"))
     assert wire.to_result(wire.decode(wire.frame(messages[11]))).competition is None
+    for m in messages[-2:]:  # a lane state: its arrays bit-exact, in order, from one pack per dtype
+        got = wire.to_lane_state(wire.decode(wire.frame(m)))
+        assert list(got) == list(state) and all(_same(state[n], got[n]) for n in state)
+        assert len(m.arrays) == 3 + (m.kind == wire.IMPORT)  # int64, float32, int8 (+ the lanes)
 
 
 def _header(kind=wire.OK, arrays=0, request=0, meta_len=0, body_len=0, magic=wire.MAGIC, version=wire.VERSION):
@@ -287,7 +294,9 @@ def test_malformed_frames_are_protocol_errors():
                     (wire.request("run", 1, [0], np.zeros((1, 0, 4)), [0]), "hops must be"),
                     (wire.Message(wire.RUN, arrays=(np.arange(2), np.zeros((2, 1, 4), np.float64), np.zeros(2))),
                      "hops must be"),
-                    (wire.Message(wire.RESET), "with 0 arrays")]:
+                    (wire.Message(wire.RESET), "with 0 arrays"), (wire.Message(wire.IMPORT), "with 0 arrays"),
+                    (wire.Message(wire.EXPORT, arrays=(np.arange(2), np.arange(2))), "with 2 arrays"),
+                    (wire.Message(wire.IMPORT, arrays=(np.int32([1]), np.float32([1]))), "lanes must be")]:
         with pytest.raises(wire.ProtocolError, match=what):
             wire.check_request(wire.decode(wire.frame(m)))
     with pytest.raises(wire.ProtocolError, match="cannot be sent"):
