@@ -212,7 +212,7 @@ class Stream:
             return None, ClientError("invalid_url", str(e)), 0
         except (OSError, WebSocketException, TimeoutError) as e:
             return None, {"message": str(e) or type(e).__name__}, 0
-        state, self._resume.state = self._resume.state, None  # used once: a state is of one moment of the stream
+        state = self._resume.state  # sent with the start message; given up once a ready answers it
         drop, got, error, sender = 0, 0, {}, None
         async with ws:
             try:
@@ -231,6 +231,7 @@ class Stream:
                     if msg.get("type") == "ready" and sender is None:
                         self.ready, self.sessions = msg, self.sessions + 1
                         begin = self._resume.begin(msg, state, self.samples_out)
+                        self._resume.state = None  # used (or refused): a state is of one moment of the stream
                         drop = self.samples_out - begin if not msg.get("resumed") else 0
                         sender = asyncio.create_task(self._send(ws, begin, int(msg.get("max_message_bytes", 1 << 20))))
                         if not self._first.done():

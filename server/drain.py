@@ -9,8 +9,10 @@ until the process exits. What is in flight goes on:
   `drain_timeout_s` more from uvicorn's graceful shutdown;
 * live streams run on as usual (one that ends gets its tail and 1000) for up to `drain_timeout_s`
   from the signal; those still open then stop being read, get the enhanced tail of all the audio
-  the server read, `{"type": "end", "samples": n, "reason": "shutdown", "message": ...}` (reconnect
-  and resend from sample n) and close 1012.
+  the server read (a `resumable` one: the output of its whole hops, then its state),
+  `{"type": "end", "samples": n, "reason": "shutdown", "message": ...}` (reconnect and resend from
+  sample n, or with the state from where it stops) and close 1012; the drain then waits for their
+  closing handshakes (`flush`), so that a client still sending gets all of it.
 
 The drain ends as soon as no stream and no upload is left; then the listening sockets close and
 uvicorn shuts down (the workers stop, the process ends by the signal it received).
@@ -36,6 +38,22 @@ def begin(app) -> None:
         state.draining = True
         state.drain_started = time.monotonic()
         state.metrics.draining.set(1)
+
+
+async def flush(connections, timeout_s: float = TAIL_TIMEOUT_S) -> None:
+    """Wait until the websocket connections that sent their close frame have their closing
+    handshake done and their last bytes written (at most `timeout_s`). uvicorn's shutdown closes
+    such a connection at once: a client still sending audio then gets a reset, and a reset throws
+    away what it had not read yet (a stream's last messages: a resumable stream's state is
+    megabytes)."""
+    deadline = time.monotonic() + timeout_s
+
+    def closing(c) -> bool:
+        t = getattr(c, "transport", None)
+        return getattr(c, "close_sent", False) or (t is not None and t.get_write_buffer_size() > 0)
+
+    while any(closing(c) for c in list(connections)) and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S / 5)
 
 
 def in_flight(app) -> tuple[int, int]:

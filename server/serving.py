@@ -98,6 +98,7 @@ class Server(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         await drain.run(self.app, self.app.state.settings.drain_timeout_s, lambda: self.force_exit)
+        await drain.flush(self.server_state.connections)  # the streams' last messages reach their clients
         for server in self.servers:  # still listening until here: probes see 503 / 200, not refused connections
             server.close()
         if self.agent is not None:

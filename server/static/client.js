@@ -234,8 +234,7 @@ export class EnhancedStream extends EventTarget {
     this.setState(this.sessions ? "reconnecting" : "connecting");
     ws.onopen = () => {
       session.opened = true;
-      session.handoff = this.handoff; // used once: a state is of one moment of the stream
-      this.handoff = null;
+      session.handoff = this.handoff; // kept until a ready answers it (a refusal before one keeps it)
       const start = { sample_rate: this.sampleRate, encoding: "f32le", channels: 1, atten_lim_db: o.atten_lim_db,
         band: o.band, level: o.level, metadata: o.metadata, resumable: true };
       const blob = session.handoff && session.handoff.state;
@@ -253,6 +252,7 @@ export class EnhancedStream extends EventTarget {
   onText(ws, session, msg) {
     if (msg.type === "ready") {
       if (session.ready) return;
+      if (session.handoff && this.handoff === session.handoff) this.handoff = null; // used once: a state is of one moment
       if (!this.begin(session, msg)) {
         ws.onclose = null;
         ws.close();
