@@ -207,6 +207,12 @@ def cmd_bench(a) -> int:
         return 2
     models = a.model or [None if a.preset else a.env_model]  # --preset: random weights, not $TIM_ENHANCER_MODEL
     enhs = [_enhancer(m, device, a.preset, a.int8) for m in models]
+    if a.profile:
+        from .build.profile import format_report, report  # reads the graph with onnx ([train] extra)
+
+        reports = [report(e.engine, (a.batches or (16,))[0], a.steps) for e in enhs]
+        print(json.dumps(reports, indent=2) if a.json else "\n\n".join(format_report(r) for r in reports))
+        return 0
     return bench_main(enhs, as_json=a.json, steps=a.steps, batches=a.batches, full_steps=a.full_steps,
                       device_pool=a.device_pool)
 
@@ -316,6 +322,10 @@ def build_parser(env=None) -> argparse.ArgumentParser:
                    help="step the device pool's live steps over the whole pool through a static graph, replayed as "
                         f"a CUDA graph under CUDA (default: ${FULL_STEPS_ENV}=1)")
     _device_pool_flag(b, defaults)
+    b.add_argument("--profile", action="store_true",
+                   help="instead: the step graph's node count by operator, and its kernel time by operator for "
+                        "live steps of the first --batches size (16) and for offline calls (needs onnx: the "
+                        "[train] extra)")
     b.set_defaults(fn=cmd_bench)
     add_plugin_commands(sub, defaults)
     return p

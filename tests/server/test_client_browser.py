@@ -17,10 +17,11 @@ import pytest
 import soundfile as sf
 from websockets.sync.client import connect
 
+from tests.tolerance import assert_close_to_peak
+
 from .browser import Chromium
 from .conftest import TEST_LIMITS, LiveServer
 from .test_client import _best_lag, _serve_on
-from tests.tolerance import assert_close_to_peak
 
 ROOT = Path(__file__).resolve().parents[2]
 NOISY = ROOT / "tests" / "fixtures" / "golden" / "noisy.flac"  # real noisy speech (p287), 16 kHz, 4 s
