@@ -20,8 +20,9 @@ def add_stream(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("stream", help="stream a file through the service's websocket, as a live source",
                        description="Stream an audio file through the service's websocket /v1/stream at real-time "
                                    "pace (or --fast) and write the enhanced audio: the same rate, channels and "
-                                   "length. It waits when the service is full (close 1013) and resumes without "
-                                   "losing audio when it restarts (close 1012).")
+                                   "length. It waits when the service is full (close 1013), and when it restarts "
+                                   "(close 1012) it continues the stream on the next replica from the state the "
+                                   "service hands over, as if it had not stopped.")
     s.add_argument("input", help="audio file (any format libsndfile reads)")
     s.add_argument("-o", "--output", required=True, help="output file; its extension picks the format "
                    f"({', '.join('.' + k for k in OUTPUT_FORMATS)} or the input's own)")
