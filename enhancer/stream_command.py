@@ -54,12 +54,10 @@ def cmd_stream(a) -> int:
         return 2
     client = Client(a.url, a.api_key)
 
-    def notice(msg: dict) -> None:  # what a person streaming a file wants to know of
-        kind = msg.get("type")
-        if a.quiet or kind in ("ready", "metadata", "error") or (kind == "end" and "reason" not in msg):
-            return
-        text = msg.get("message") or ", ".join(f"{k} {v}" for k, v in msg.items() if k != "type")
-        print(f"{kind}: {text}", file=sys.stderr)
+    def notice(msg: dict) -> None:
+        line = None if a.quiet else notice_line(msg)
+        if line is not None:
+            print(line, file=sys.stderr)
 
     facts = asyncio.run(client.stream_file(a.input, a.output, speed=0 if a.fast else a.speed, format=a.format,
                                            on_message=notice, atten_lim_db=a.atten_lim_db, band=a.band, level=a.level))
@@ -67,3 +65,17 @@ def cmd_stream(a) -> int:
         print(f"{facts['frames'] / facts['sample_rate']:.1f} s enhanced through {client.ws_url} "
               f"({facts['sessions']} connection(s)) to {facts['path']}", file=sys.stderr)
     return 0
+
+
+def notice_line(msg: dict) -> str | None:
+    """The line a person streaming a file reads for one of the service's messages (None: nothing
+    to tell)."""
+    kind = msg.get("type")
+    if kind in ("ready", "metadata", "error") or (kind == "end" and "reason" not in msg):
+        return None
+    if kind == "state":  # megabytes of base64: what it is, not what it holds
+        text = (f"the service restarts; its state of the stream ({len(msg.get('state', '')) * 3 // 4} bytes) goes "
+                f"to the next connection, which continues at input sample {msg.get('input_samples')}")
+    else:
+        text = msg.get("message") or ", ".join(f"{k} {v}" for k, v in msg.items() if k != "type")
+    return f"{kind}: {text}"

@@ -353,3 +353,15 @@ def test_enhancer_stream_writes_the_file(live, enhancer_rt, tmp_path):
     assert r.returncode == 0 and r.stderr == "", r.stderr
     y, _ = sf.read(tmp_path / "fast.flac", dtype="float32")
     assert_close_to_peak(y, np.clip(enhancer_rt.enhance(decoded, SR), -1, 1), plus=LSB)
+
+
+def test_enhancer_stream_tells_of_a_restart_in_one_short_line():
+    from enhancer.stream_command import notice_line
+
+    state = {"type": "state", "state": "A" * 4_000_000, "input_samples": 151680, "output_samples": 144480}
+    line = notice_line(state)
+    assert line.startswith("state: the service restarts") and "3000000 bytes" in line and "151680" in line
+    assert len(line) < 200
+    assert notice_line({"type": "end", "samples": 5, "reason": "shutdown", "message": "reconnect"}) == "end: reconnect"
+    assert notice_line({"type": "late", "lateness_ms": 41.8}) == "late: lateness_ms 41.8"
+    assert notice_line({"type": "end", "samples": 5}) is None and notice_line({"type": "ready"}) is None
