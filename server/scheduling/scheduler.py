@@ -91,6 +91,7 @@ class Scheduler:
         # One onnxruntime session for all workers (its run() is thread-safe): one copy of the weights
         # in the caches instead of one per worker; each worker keeps its own lane pool.
         enh = Enhancer.from_pretrained(s.model, providers=providers, threads=s.threads)
+        log.debug("model digest %s", enh.engine.identity)  # resumed streams are checked against it: hashed now, not then
         admission = self.admission
         pools = [None] * s.workers
         if s.step_server:
