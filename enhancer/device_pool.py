@@ -101,15 +101,10 @@ class _FullStep:
     def __init__(self, pool: DeviceLanePool):
         import onnxruntime as ort
 
-        from .engine import CUDA_OPTIONS
+        from .engine import CUDA_OPTIONS, session_options
 
         eng, c = pool.engine, pool.capacity
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = 1
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
+        so = session_options()
         so.add_free_dimension_override_by_name("batch", c)
         so.add_free_dimension_override_by_name("frames", 1)
         cuda = pool.device == "cuda"

@@ -117,6 +117,20 @@ def load_upper_head(model_path: Path) -> UpperHead | None:
     return UpperHead.load(path) if path.is_file() else None
 
 
+def session_options(threads: int = 1):
+    """onnxruntime's options for a session of a step graph: `threads` intra-op threads, one inter-op,
+    sequential, every graph optimization, warnings and errors only."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return so
+
+
 class Engine:
     """One onnxruntime session of a step graph, with the config read from the model's metadata."""
 
@@ -126,12 +140,7 @@ class Engine:
         path = Path(path)
         if not path.is_file():
             raise CheckpointError(f"model file not found: {path}")
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
+        so = session_options(threads)
         if providers is None:  # "auto"
             avail = ort.get_available_providers()
             providers = [p for p in PROVIDERS["cuda"] if p in avail]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine import Engine, LanePool
+from ..engine import Engine, LanePool, session_options
 from ..runtime import OFFLINE_FRAMES
 
 TOP = 15  # operators listed in the table
@@ -55,12 +55,7 @@ def _profiled(engine: Engine, prefix: str) -> Engine:
     """A copy of `engine` whose session profiles every kernel (files at `prefix`*)."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.log_severity_level = 3
+    so = session_options()
     so.enable_profiling = True
     so.profile_file_prefix = prefix
     copy = Engine.__new__(Engine)

@@ -17,6 +17,20 @@ from tests.enhancer.test_upperhead import random_weights
 from tests.tolerance import assert_close_to_peak
 
 
+def _cut(x, cuts, step, feed, hand_over):
+    """x fed `step` samples at a time (`feed(chunk)` -> output), handed over (`hand_over(at)`) at each
+    of `cuts`: the outputs."""
+    out, i = [], 0
+    for cut in [*cuts, len(x)]:
+        while i < cut:
+            j = min(i + step, cut)
+            out.append(feed(x[i:j]))
+            i = j
+        if cut < len(x):
+            hand_over(cut)
+    return out
+
+
 @pytest.mark.parametrize("rates", [(48000, 16000), (16000, 48000), (44100, 16000), (16000, 22050), (8000, 16000),
                                    (192000, 16000), (16000, 16000)])
 def test_a_rebuilt_resampler_continues_bit_for_bit(rates):
@@ -25,18 +39,15 @@ def test_a_rebuilt_resampler_continues_bit_for_bit(rates):
     step = fr // 60
 
     def run(cuts):
-        r, out, i = StreamResampler(fr, to, 2), [], 0
-        for cut in [*cuts, len(x)]:
-            while i < cut:
-                j = min(i + step, cut)
-                out.append(r.process(x[i:j]))
-                i = j
-            if cut < len(x):
-                state = r.state()
-                r = StreamResampler(fr, to, 2)
-                r.load_state(state)
-        out.append(r.process(x[:0], last=True))
-        return np.concatenate(out)
+        r = [StreamResampler(fr, to, 2)]
+
+        def hand_over(_):
+            state = r[0].state()
+            r[0] = StreamResampler(fr, to, 2)
+            r[0].load_state(state)
+
+        out = _cut(x, cuts, step, lambda chunk: r[0].process(chunk), hand_over)
+        return np.concatenate(out + [r[0].process(x[:0], last=True)])
 
     ref = run([])
     for cuts in ([step // 3], [fr // 2 + 5, fr + 17], [3 * step, 3 * step + 1]):
@@ -53,24 +64,22 @@ def _signal(rate, channels, seconds, seed):
 def _stream(enh, x, rate, channels, cuts, step, **options):
     """x through streams of one-hop calls fed `step` samples at a time, handed to a new stream at
     each of `cuts`; (output, the last state's size)."""
-    s = enh.stream(rate, channels, **options)
-    s.frames_per_call = 1  # as a live service steps them
-    out, i, size = [], 0, 0
-    for cut in [*cuts, len(x)]:
-        while i < cut:
-            j = min(i + step, cut)
-            out.append(s.feed(x[i:j]))
-            i = j
-        if cut < len(x):
-            blob = s.cursor.state_bytes()
-            s.close()
-            size = len(blob)
-            s = enh.stream(rate, channels, **options)
-            s.frames_per_call = 1
-            meta = s.cursor.load_state_bytes(blob)
-            assert meta["input_samples"] == cut
-    out.append(s.flush())
-    return np.concatenate(out), size
+    def fresh():
+        s = enh.stream(rate, channels, **options)
+        s.frames_per_call = 1  # as a live service steps them
+        return s
+
+    s, size = [fresh()], [0]
+
+    def hand_over(at):
+        blob = s[0].cursor.state_bytes()
+        s[0].close()
+        size[0] = len(blob)
+        s[0] = fresh()
+        assert s[0].cursor.load_state_bytes(blob)["input_samples"] == at
+
+    out = _cut(x, cuts, step, lambda chunk: s[0].feed(chunk), hand_over)
+    return np.concatenate(out + [s[0].flush()]), size[0]
 
 
 @pytest.mark.parametrize("rate, channels, options", [
