@@ -170,6 +170,9 @@ class Stream:
                     raise ClientError("unreachable", f"cannot reach the service at {self.url}: {error.get('message')}; "
                                       "is it running?")
                 reached = True
+                if error.get("kind") == "invalid_state" and self._resume.state is not None:
+                    self._resume.state = None  # a replica that cannot read it: resume with the overlap instead
+                    code = 1012
                 if code not in RESUME | {1013, None}:
                     raise ClientError.from_body(code, error) if error.get("kind") else ClientError(
                         "protocol", f"the stream closed with {code} {error.get('reason', '')}".rstrip(), code)

@@ -127,8 +127,15 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def peek(blob: bytes) -> dict:
-    """Only the meta of an archive (StateError as `unpack`)."""
-    return unpack(blob)[0]
+    """Only the meta of an archive, whatever its format version (StateError when it has none)."""
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, RecursionError) as e:
+        raise StateError(f"the stream state is not readable ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise StateError("the stream state's meta is not an object")
+    return meta
 
 
 def attrs_state(obj, names) -> dict:

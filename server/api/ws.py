@@ -370,6 +370,8 @@ async def read_state(session: StreamSession, start: StartMessage) -> tuple[bytes
         meta = handoff.peek(state)
     except StateError as e:
         raise from_core(e) from None
+    if meta.get("format") != handoff.FORMAT:
+        return None, "the state is of another version of the service; the stream starts afresh"
     if meta.get("model") != session.scheduler.enhancer.engine.identity:
         return None, "the state is of another model; the stream starts afresh"
     return state, {"input_samples": int(meta["input_samples"]), "output_samples": int(meta["output_samples"])}

@@ -357,6 +357,10 @@ export class EnhancedStream extends EventTarget {
       return this.failWith({ kind: "unreachable", message: `cannot reach the service at ${ws.url}`, code });
     }
     this.reached = true;
+    if (error && error.kind === "invalid_state" && session.handoff) {
+      this.handoff = null; // a replica that cannot read the state: resume with the overlap instead
+      code = 1012;
+    }
     if (!RESUME.has(code) && code !== 1013) {
       return this.failWith(error || { kind: "closed", message: `the stream closed with ${code}`, code });
     }

@@ -306,6 +306,25 @@ def test_a_restart_mid_stream_is_continued_from_its_state_as_if_uninterrupted(mo
     assert_close_to_peak(y, enhancer_rt.enhance(x, SR), rel=3e-4)
 
 
+def test_a_state_the_service_refuses_is_dropped_and_the_stream_starts_afresh(live, enhancer_rt):
+    """A state in hand that the replica cannot read (invalid_state, 1007) is not a failure of the
+    stream: the client drops it and connects again without it."""
+    x = speechlike(SR, SR, seed=88)
+    messages = []
+
+    async def run():
+        s = Client(live.base).stream(SR, 1, on_message=messages.append)
+        s._resume.state = {"state": b"\x01" * 5000, "input_samples": 0, "output_samples": 0}
+        async with s:
+            await s.send(x)
+            return await s.finish(), s
+
+    y, s = asyncio.run(run())
+    errors = [m for m in messages if m.get("type") == "error"]
+    assert [e["kind"] for e in errors] == ["invalid_state"] and s.sessions == 1 and s.resumed == 0
+    assert_close_to_peak(y, enhancer_rt.enhance(x, SR))
+
+
 @pytest.mark.parametrize("overlap_s", [0.0, 0.5])
 def test_a_restart_without_a_state_is_resumed_without_losing_or_repeating_audio(model_path, enhancer_rt, overlap_s):
     """A service that cannot hand the state over (over its max_state_bytes) sends the tail of all it

@@ -1,6 +1,6 @@
 """A stream continued from its state over the websocket (start message "resume_bytes", the state in
 binary messages, "ready" with "resumed"): the output goes on exactly where the state stopped; a
-state of another model starts the stream afresh ("resumed": null); a state that is not readable,
+state of another model or format version starts the stream afresh ("resumed": null); a state that is not readable,
 not sent as announced, or of another stream is refused with invalid_state and 1007."""
 from __future__ import annotations
 
@@ -68,17 +68,19 @@ def test_a_stream_continues_from_its_state(live, enhancer_rt):
     assert_close_to_peak(y, enhancer_rt.enhance(x, SR)[at_out:], rel=3e-4)
 
 
-def test_a_state_of_another_model_starts_the_stream_afresh(live, enhancer_rt):
+@pytest.mark.parametrize("change, why", [({"model": "0" * 32}, "another model"),
+                                         ({"format": 99}, "another version")])
+def test_a_state_of_another_model_or_version_starts_the_stream_afresh(live, enhancer_rt, change, why):
     x = speechlike(SR, SR, seed=91)
     blob = _state(enhancer_rt, x[:SR // 2])
     with np.load(io.BytesIO(blob)) as z:
         arrays = {name: z[name] for name in z.files}
-    meta = json.loads(arrays["meta"].tobytes()) | {"model": "0" * 32}
+    meta = json.loads(arrays["meta"].tobytes()) | change
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     ready, y, texts, code = _resume(live.ws_url, buf.getvalue(), x)
-    assert ready["resumed"] is None and "another model" in ready["resume_refused"]
+    assert ready["resumed"] is None and why in ready["resume_refused"]
     assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}
     assert_close_to_peak(y, enhancer_rt.enhance(x, SR), rel=3e-4)
 
