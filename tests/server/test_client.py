@@ -225,9 +225,10 @@ def test_over_capacity_waits_the_hint_and_gets_in(model_path, enhancer_rt):
         srv.stop()
 
 
-def _serve_on(port: int, model_path):
-    """A server on a given loopback port (a restart of one that was there): (uvicorn server, thread)."""
-    settings = Settings.build(model=model_path, **TEST_LIMITS)
+def _serve_on(port: int, model_path, **limits):
+    """A server on a given loopback port (a restart of one that was there), with TEST_LIMITS and
+    `limits`: (uvicorn server, thread)."""
+    settings = Settings.build(model=model_path, **(TEST_LIMITS | limits))
     app = server.create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -153,18 +153,21 @@ def recorded(page: Chromium, which: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(page.evaluate(PCM.format(which=which))), "<f4")
 
 
-@pytest.mark.parametrize("handoff", [True, False], ids=["state", "overlap"])
+@pytest.mark.parametrize("case", ["state", "overlap", "refused"])
 def test_the_module_streams_survives_a_restart_and_loses_nothing(model_path, enhancer_rt, browser_available, mic_file,
-                                                                 handoff):
+                                                                 case):
     """openStream(microphone): the enhanced MediaStream carries audio, activity events come; the
     service drains (1012) and comes back on the same port: the module reconnects and, stopped, has
     received exactly as many enhanced samples as it sent. With the state the service hands over
     ("state" message), the second connection continues the stream ("resumed") and the whole output
     equals the uninterrupted enhancement of all that was sent; without it (a first service whose
     max_state_bytes is too small for it: the tail instead), the module resends from resumeOverlapS
-    before the missing output, and the output goes on at lag 0: nothing lost, nothing repeated."""
-    limits = {} if handoff else dict(max_state_bytes=1024)
-    first = LiveServer(model=model_path, **(TEST_LIMITS | dict(drain_timeout_s=0.3) | limits))
+    before the missing output, and the output goes on at lag 0: nothing lost, nothing repeated. A
+    state the next service refuses (its max_state_bytes is too small: invalid_state) is dropped and
+    the module resumes with the overlap as well."""
+    handoff = case == "state"
+    small = dict(max_state_bytes=1024)
+    first = LiveServer(model=model_path, **(TEST_LIMITS | dict(drain_timeout_s=0.3) | (small if case == "overlap" else {})))
     second = None
     page = Chromium(first.base + "/healthz", mic_file)
     try:
@@ -176,7 +179,7 @@ def test_the_module_streams_survives_a_restart_and_loses_nothing(model_path, enh
         assert t["state"] == "streaming" and t["activity"] > 60 and t["outPeak"] > 0.005, t
         first.stop()  # drains: the tail, end "shutdown", close 1012; nothing listens for a while
         time.sleep(0.5)
-        second = _serve_on(first.port, model_path)
+        second = _serve_on(first.port, model_path, **(small if case == "refused" else {}))
         assert page.wait_for("window.t.s.sessions === 2 && window.t.s.state === 'streaming' && "
                              "window.t.s.samplesOut > window.t.s.samplesIn - window.t.s.sampleRate", 40), \
             page.evaluate("({states: t.states, state: t.s.state, sessions: t.s.sessions})")
@@ -210,6 +213,15 @@ def test_the_module_streams_survives_a_restart_and_loses_nothing(model_path, enh
         assert r["resumed"] == 1
         # (the offline run groups hops into calls of many frames, the live one steps them one by one)
         assert_close_to_peak(y, whole, rel=3e-4)
+    elif case == "refused":
+        (h,) = r["handoffs"]
+        assert h["kept"] is True and r["resumed"] == 0 and "resumed" not in second_ready, r
+        # before the restart: the uninterrupted run's (the first service stopped at a whole hop, no tail);
+        # after it: a new stream's from 1 s (resumeOverlapS) before, its overlap dropped, at lag 0
+        assert_close_to_peak(y[:n], whole[:n], rel=3e-4)
+        begin = max(0, n - rate)
+        assert_close_to_peak(y[n:], enhancer_rt.enhance(x[begin:], rate)[n - begin:])
+        assert _best_lag(y[n:], whole[n:]) == 0
     else:
         assert r["handoffs"] == [] and r["resumed"] == 0 and "resumed" not in second_ready, r
         # before the restart: the first stream's output, its tail included: the enhancement of all it
