@@ -109,17 +109,25 @@ def pack(meta: dict, state: dict) -> bytes:
     return buf.getvalue()
 
 
-def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
-    """(meta, flattened state) of an archive; StateError when it is not one of `pack`'s."""
+def _read(blob: bytes, names=None) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, the other entries) of an archive, only `meta` and `names` if given; StateError when it
+    is not readable or its meta is not a JSON object."""
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
+            arrays = {name: z[name] for name in (z.files if names is None else ["meta", *names])}
         meta = json.loads(arrays.pop("meta").tobytes().decode())
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, RecursionError) as e:
         raise StateError(f"the stream state is not readable ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise StateError(f"stream state format {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                         f"this version reads {FORMAT}")
+    if not isinstance(meta, dict):
+        raise StateError("the stream state's meta is not an object")
+    return meta, arrays
+
+
+def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, flattened state) of an archive; StateError when it is not one of `pack`'s."""
+    meta, arrays = _read(blob)
+    if meta.get("format") != FORMAT:
+        raise StateError(f"stream state format {meta.get('format')!r}, this version reads {FORMAT}")
     for name in arrays:
         if name.rpartition("|")[2] not in TAGS:
             raise StateError(f"the stream state has an unknown entry {name!r}")
@@ -127,15 +135,8 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def peek(blob: bytes) -> dict:
-    """Only the meta of an archive, whatever its format version (StateError when it has none)."""
-    try:
-        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-            meta = json.loads(z["meta"].tobytes().decode())
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, RecursionError) as e:
-        raise StateError(f"the stream state is not readable ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict):
-        raise StateError("the stream state's meta is not an object")
-    return meta
+    """Only the meta of an archive, whatever its format version (StateError as `_read`)."""
+    return _read(blob, [])[0]
 
 
 def attrs_state(obj, names) -> dict:

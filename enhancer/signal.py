@@ -139,7 +139,7 @@ class StreamResampler:
     """Chunked resampler for streams (libsoxr keeps its own state between chunks).
 
     libsoxr's state cannot be read out, so a stream that moves to another process carries what
-    rebuilds it instead (`state`, `from_state`): the counts of samples in and out and the last input
+    rebuilds it instead (`state`, `load_state`): the counts of samples in and out and the last input
     samples. A new resampler fed that tail from a sample whose position is a whole number of the
     rates' periods gives, after its filter's length, exactly the samples the old one would have given
     (the filter sees the same input at the same phase); the samples it gives before them, or beyond

@@ -6,6 +6,7 @@ Shared by the torch side (the step module, export, the parity check) and the run
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,11 @@ def lane_shapes(engine, k: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     for name, (h, w, dh) in ring_specs(cfg):
         out[name] = ((k, h, dh, w) if engine.int8_rings and name.startswith("k") else (k, h, w, dh), ring)
     return out
+
+
+def lane_state_bytes(engine, k: int) -> int:
+    """Bytes of the arrays of `lane_shapes(engine, k)`: the state of k lanes."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in lane_shapes(engine, k).values())
 
 
 def check_lane_arrays(engine, k: int, arrays: dict) -> dict[str, np.ndarray]:

@@ -269,19 +269,16 @@ class StreamSession:
             for event in d.events:  # "late", "on_time", "gap" (README: Capacity, admission and lateness)
                 await self._send_json(event_message(event))
             if d.final:
+                out = self.samples_out
                 if d.state is not None:
-                    out = self.samples_out
                     await self._send_json({"type": "state", "state": base64.b64encode(d.state).decode("ascii"),
                                            "input_samples": self.samples_in, "output_samples": out})
+                if d.state is not None or self.draining:
+                    resend = (f"reconnect with this state and resend the audio from sample {self.samples_in}, or "
+                              f"without it from sample {out}" if d.state is not None else
+                              f"reconnect and resend the audio from sample {out}")
                     await self._send_json({"type": "end", "samples": out, "reason": "shutdown",
-                                           "message": f"the server is restarting: reconnect with this state and resend "
-                                                      f"the audio from sample {self.samples_in}, or without it from "
-                                                      f"sample {out}"})
-                    await self._close(1012, "server shutting down")
-                elif self.draining:
-                    await self._send_json({"type": "end", "samples": self.samples_out, "reason": "shutdown",
-                                           "message": f"the server is restarting: reconnect and resend the audio "
-                                                      f"from sample {self.samples_out}"})
+                                           "message": f"the server is restarting: {resend}"})
                     await self._close(1012, "server shutting down")
                 else:
                     await self._send_json({"type": "end", "samples": self.samples_out})

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from enhancer.engine import Stepping, StepResult
-from enhancer.pools import check_lane_arrays, lane_shapes
+from enhancer.step_io import check_lane_arrays, lane_state_bytes
 
 from . import auth, wire
 
@@ -230,8 +230,7 @@ class RemoteLanePool(Stepping):
 
     def _parts(self, k: int) -> list[slice]:
         """k lanes in parts of at most STATE_BYTES of state (one part when k is 0)."""
-        per_lane = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in lane_shapes(self.engine, 1).values())
-        per = max(1, STATE_BYTES // per_lane)
+        per = max(1, STATE_BYTES // lane_state_bytes(self.engine, 1))
         return [slice(i, min(i + per, k)) for i in range(0, k, per)] or [slice(0, 0)]
 
     def close(self) -> None:

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import time
 
 import numpy as np
 
 from enhancer.errors import EnhancerError
-from enhancer.pools import check_lane_arrays, lane_shapes
+from enhancer.step_io import check_lane_arrays, lane_state_bytes
 from server.scheduling.calls import Part, run_parts
 
 from . import auth, wire
@@ -189,7 +188,7 @@ class StepServer:
 
     def _export(self, lanes: list[int]) -> dict:
         """The state of `lanes` (a front-end's), if one reply can carry it (ValueError else)."""
-        size = sum(math.prod(shape) * dt.itemsize for shape, dt in lane_shapes(self.pool.engine, len(lanes)).values())
+        size = lane_state_bytes(self.pool.engine, len(lanes))
         if size > wire.MAX_STATE:
             raise ValueError(f"the state of {len(lanes)} lanes takes {size} bytes, one message holds "
                              f"{wire.MAX_STATE}: export fewer lanes at a time")
