@@ -78,11 +78,9 @@ class StreamingStep(nn.Module):
         n_conv = self.n_conv
         prev_hop, spec_delay = caches[:2]
         tails, ola, post = caches[2:2 + n_conv], caches[2 + n_conv], caches[3 + n_conv:n_state]
-        n_limit = 2 if cfg.rise_limit_gain > 0 else 0
-        limit_state, pitch_state = post[:n_limit], post[n_limit:]
         rings = caches[n_state:]
         ks, vs = rings[: cfg.n_layers], rings[cfg.n_layers:]
-        la, hop_n = cfg.lookahead, cfg.stft.hop
+        hop_n = cfg.stft.hop
         t = hops.shape[1]
 
         x = torch.cat([prev_hop[:, None], hops], dim=1)  # (B, T+1, hop)
@@ -102,13 +100,29 @@ class StreamingStep(nn.Module):
             if c is not None:
                 comps.append(c)
         net_gain = torch.sigmoid(net.head(x)).reshape(hops.shape[0], t, f)  # (B, T, F): the network's gains
+        out, activity, spec_next, ola_next, post = self.post(hops, min_gain, pos, spec, spec_delay, ola, post, net_gain)
+        kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N*T, dh): keys of layers 0..N-1, then values
+        head = [out]
+        if self.with_comp:
+            head.append(torch.stack(comps, dim=1).reshape(hops.shape[0], t, len(comps), -1))  # (B, T, n_tim, n_s)
+        head += [activity, kv_rows]
+        return tuple(head + [hops[:, -1], spec_next, *tails, ola_next, *post])
+
+    def post(self, hops, min_gain, pos, spec, spec_delay, ola, post, net_gain):
+        """From the network's gains (B, T, F) to the output: the rise limit, the exponent and the gain
+        floor, the gains on the delayed spectrum, the pitch filter, the overlap-add. `spec` (B, T, 2F):
+        the call's frames; `post`: the post-filters' state caches (`state_specs` order). Returns out
+        (B, T, hop), activity (B, T), the new `spec_delay`, `ola` and post-filter states."""
+        cfg, f, la, hop_n = self.config, self.f, self.config.lookahead, self.config.stft.hop
+        n_limit = 2 if cfg.rise_limit_gain > 0 else 0
+        limit_state, pitch_state = post[:n_limit], post[n_limit:]
         spec_all = torch.cat([spec_delay, spec], dim=1)  # (B, L+1+T, 2F): frame t's gain applies to row t+1
         applied = spec_all[:, 1:spec_all.shape[1] - la]  # (B, T, 2F): the rows the T gains apply to
         limited = net_gain
         if limit_state:  # the rise limit (`enhancer.build.model.postfilter`), carried across calls
             power = applied[..., :f] * applied[..., :f] + applied[..., f:] * applied[..., f:]
             limited, *limit_state = rise_limit(cfg, net_gain, power, *limit_state, first=pos - la)
-        gain = torch.maximum(net.sharpen(limited), min_gain[:, None, None])  # those applied to the spectrum
+        gain = torch.maximum(self.net.sharpen(limited), min_gain[:, None, None])  # those applied to the spectrum
         # the speech activity is read from the network's gains, whatever the post-filters
         plain = cfg.gain_exponent == 1.0 and not limit_state
         speech = gain if plain else torch.maximum(net_gain, min_gain[:, None, None])
@@ -118,13 +132,7 @@ class StreamingStep(nn.Module):
             frame, pitch_state = self._pitch_filter(hops, applied, gain, gain2, frame, *pitch_state)
         out = _overlap_add(frame, ola, hop_n)  # (B, T, hop)
         activity = speech[..., self.speech_bins[0]: self.speech_bins[1]].mean(dim=-1)  # (B, T)
-        kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N*T, dh): keys of layers 0..N-1, then values
-        head = [out]
-        if self.with_comp:
-            head.append(torch.stack(comps, dim=1).reshape(hops.shape[0], t, len(comps), -1))  # (B, T, n_tim, n_s)
-        head += [activity, kv_rows]
-        return tuple(head + [hops[:, -1], spec_all[:, -(la + 1):], *tails, frame[:, -1, hop_n:], *limit_state,
-                             *pitch_state])
+        return out, activity, spec_all[:, -(la + 1):], frame[:, -1, hop_n:], [*limit_state, *pitch_state]
 
     def _pitch_filter(self, hops, applied, gain, gain2, plain, noisy_tail, plain_tail, plain_ola):
         """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
