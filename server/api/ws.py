@@ -371,7 +371,11 @@ async def read_state(session: StreamSession, start: StartMessage) -> tuple[bytes
         return None, "the state is of another version of the service; the stream starts afresh"
     if meta.get("model") != session.scheduler.enhancer.engine.identity:
         return None, "the state is of another model; the stream starts afresh"
-    return state, {"input_samples": int(meta["input_samples"]), "output_samples": int(meta["output_samples"])}
+    counts = {key: meta.get(key) for key in ("input_samples", "output_samples")}
+    for key, v in counts.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ServiceError(ErrorKind.INVALID_STATE, f"the state's meta has no sample count {key} (got {v!r})")
+    return state, counts
 
 
 def close_reason(text: str, limit: int = 123) -> str:

@@ -73,13 +73,7 @@ def test_a_stream_continues_from_its_state(live, enhancer_rt):
 def test_a_state_of_another_model_or_version_starts_the_stream_afresh(live, enhancer_rt, change, why):
     x = speechlike(SR, SR, seed=91)
     blob = _state(enhancer_rt, x[:SR // 2])
-    with np.load(io.BytesIO(blob)) as z:
-        arrays = {name: z[name] for name in z.files}
-    meta = json.loads(arrays["meta"].tobytes()) | change
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    ready, y, texts, code = _resume(live.ws_url, buf.getvalue(), x)
+    ready, y, texts, code = _resume(live.ws_url, _with_meta(blob, change), x)
     assert ready["resumed"] is None and why in ready["resume_refused"]
     assert code == 1000 and texts[-1] == {"type": "end", "samples": len(x)}
     assert_close_to_peak(y, enhancer_rt.enhance(x, SR), rel=3e-4)
@@ -89,7 +83,18 @@ def _announce(n, **start):
     return {"sample_rate": SR, "encoding": "f32le", "resumable": True, "resume_bytes": n} | start
 
 
-@pytest.mark.parametrize("case", ["zero", "over", "text", "more", "garbage", "rate", "type"])
+def _with_meta(blob: bytes, change: dict, drop=()) -> bytes:
+    """`blob` with its meta changed by `change` and without the keys `drop`."""
+    with np.load(io.BytesIO(blob)) as z:
+        arrays = {name: z[name] for name in z.files}
+    meta = {k: v for k, v in (json.loads(arrays["meta"].tobytes()) | change).items() if k not in drop}
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("case", ["zero", "over", "text", "more", "garbage", "rate", "counts", "negative", "type"])
 def test_a_state_that_cannot_be_used_is_refused_with_invalid_state(live, enhancer_rt, case):
     blob = _state(enhancer_rt, speechlike(SR // 2, SR, seed=92))
     limit = live.settings.max_state_bytes
@@ -110,6 +115,11 @@ def test_a_state_that_cannot_be_used_is_refused_with_invalid_state(live, enhance
         other = _state(enhancer_rt, speechlike(24000, 48000, seed=93), rate=48000)
         expect_close(live.ws_url, [other[i:i + 100_000] for i in range(0, len(other), 100_000)], 1007,
                      "invalid_state", "sample_rate", start=_announce(len(other)))
+    elif case in ("counts", "negative"):  # a meta without its sample counts, or with a negative one
+        forged = _with_meta(blob, {"output_samples": -1}) if case == "negative" else _with_meta(blob, {}, ["input_samples"])
+        expect_close(live.ws_url, [forged[i:i + 100_000] for i in range(0, len(forged), 100_000)], 1007,
+                     "invalid_state", "input_samples" if case == "counts" else "output_samples",
+                     start=_announce(len(forged)))
     else:
         expect_close(live.ws_url, [], 1007, "invalid_parameter", "resume_bytes", start=_announce("12"))
     # the service keeps serving
