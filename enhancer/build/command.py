@@ -28,6 +28,9 @@ def add_export(sub) -> None:
                         "like --int8)")
     e.add_argument("--calibrate", nargs="+", default=None, metavar="AUDIO",
                    help="with --int8-rings: audio files or folders to calibrate the ring scales on (noisy speech)")
+    e.add_argument("--ring-scales-from", default=None, metavar="ONNX",
+                   help="with --int8-rings: the ring scales of an earlier export of this model instead of --calibrate "
+                        "(the same 8-bit rings, e.g. after an update of the exporter)")
     e.add_argument("--gain-exponent", type=float, default=None, metavar="E",
                    help="raise the network's gains to this power in the exported graph (0.5..4; > 1 removes more of "
                         "the noise left under speech); default: the checkpoint's")
@@ -64,7 +67,12 @@ def cmd_export(a) -> int:
     if a.fp16:
         round_to_fp16(model)
     signals = None
-    if a.int8_rings:
+    if a.ring_scales_from and (not a.int8_rings or a.calibrate):
+        print("error: --ring-scales-from applies to --int8-rings, instead of --calibrate", file=sys.stderr)
+        return 2
+    if a.int8_rings and a.ring_scales_from:
+        signals = Path(a.ring_scales_from)
+    elif a.int8_rings:
         if not a.calibrate:
             print("error: --int8-rings needs --calibrate AUDIO (files or folders of speech in noise, as the model "
                   "will hear it; a few minutes are plenty)", file=sys.stderr)

@@ -42,7 +42,8 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     `ring_calibration` (16 kHz mono float32 signals) stores the key/value rings as int8, with
     per-(ring, head) scales calibrated on those signals (`enhancer.build.ringquant`): a quarter of the
     bytes per stream and the live step's ring products in 8-bit arithmetic; not bit-exact either,
-    so the check reports `parity_snr_db`."""
+    so the check reports `parity_snr_db`. A path instead of signals takes the scales of that
+    earlier export (`ringquant.graph_ring_scales`): the same 8-bit rings again."""
     import onnx
 
     from .graph_switch import join_live_branch
@@ -124,8 +125,14 @@ def _int8_rings(proto, signals, path: Path, say):
     import onnx
 
     from ..engine import Engine
-    from .ringquant import HEADROOM, calibrate_rings, quantize_rings, ring_scales
+    from .ringquant import HEADROOM, calibrate_rings, graph_ring_scales, quantize_rings, ring_scales
 
+    if isinstance(signals, (str, Path)):  # the scales of an earlier export
+        scales, seconds = graph_ring_scales(signals)
+        say(f"the 8-bit key/value rings of {signals} (calibrated on {seconds} s of audio)")
+        q = quantize_rings(proto, scales)
+        _set_metadata(q, {"ring_calibration_seconds": seconds})
+        return q
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         f = Path(tmp) / "float_rings.onnx"
         onnx.save(proto, str(f))

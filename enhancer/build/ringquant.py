@@ -72,6 +72,24 @@ def calibrate_rings(engine, signals: Iterable[np.ndarray]) -> tuple[np.ndarray, 
     return amax.astype(np.float32), seconds
 
 
+def graph_ring_scales(path) -> tuple[np.ndarray, str]:
+    """The per-(ring, head) scales (2N, H) of the 8-bit rings of an exported step graph, and the
+    seconds of audio they were calibrated on (its metadata): to export again with the same rings."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    found = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.name.startswith("rq/s")}
+    keys = sorted((n for n in found if n.startswith("rq/sk") and n.endswith("_axis")), key=lambda n: int(n[5:-5]))
+    if not keys:
+        raise ValueError(f"{path}: not a step graph with 8-bit key/value rings")
+    rows = [found[k] for k in keys] + [found.get(k.replace("rq/sk", "rq/sv")) for k in keys]
+    if any(r is None for r in rows):
+        raise ValueError(f"{path}: its ring scales are incomplete")
+    meta = {e.key: e.value for e in model.metadata_props}
+    return np.stack(rows).astype(np.float32), meta.get("tim_enhancer.ring_calibration_seconds", "?")
+
+
 def ring_scales(amax: np.ndarray, headroom: float = HEADROOM) -> np.ndarray:
     """Per-(ring, head) int8 scales from calibrated maxima (2N, H); a ring that stayed 0 gets 1/127."""
     a = np.asarray(amax, dtype=np.float32)

@@ -7,7 +7,7 @@ import torch
 import enhancer
 from enhancer import ModelConfig
 from enhancer.build.model import count_parameters
-from enhancer.build.model.layers import GroupedLinear, window_mask
+from enhancer.build.model.layers import SOFTMAX_FLOOR, GroupedLinear, masked_softmax, window_mask
 from enhancer.errors import CheckpointError
 
 
@@ -108,6 +108,25 @@ def test_window_mask():
         [False, False, True, True, False],
         [False, False, False, True, True],
     ]
+
+
+def test_masked_softmax_is_the_softmax_of_masked_scores():
+    """Scores far below their row's largest enter the step's softmax at SOFTMAX_FLOOR below it:
+    masked (-inf) entries weigh under exp(-SOFTMAX_FLOOR) of the largest, the rest as in softmax."""
+    g = torch.Generator().manual_seed(0)
+    x = 8 * torch.randn(64, 257, generator=g, dtype=torch.float64)
+    keep = torch.rand(64, 257, generator=g) < 0.3
+    keep[:, -1] = True  # every row attends at least one key, as every frame attends itself
+    scores = x.masked_fill(~keep, float("-inf"))
+    ref, got = torch.softmax(scores, dim=-1), masked_softmax(scores)
+    assert torch.allclose(got[keep], ref[keep], rtol=1e-12, atol=0)  # masked entries add < 1e-32 to a row's sum
+    floor = torch.exp(torch.tensor(-SOFTMAX_FLOOR, dtype=torch.float64))
+    assert (got[~keep] > 0).all() and (got[~keep] <= floor).all()
+    far = x.clone()
+    far[:, 0] = far.amax(dim=-1) - 200  # a real score far below its row's largest: lifted to the floor
+    lifted = masked_softmax(far)
+    assert torch.allclose(lifted[:, 1:], torch.softmax(far, dim=-1)[:, 1:], rtol=1e-12, atol=0)
+    assert (lifted[:, 0] <= floor).all()
 
 
 def test_config_round_trip_and_validation():

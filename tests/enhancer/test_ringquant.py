@@ -9,7 +9,7 @@ import soundfile as sf
 from enhancer.build.export import export_step
 from enhancer.build.graph_switch import SWITCH
 from enhancer.build.quantize import MIN_PARITY_SNR_DB
-from enhancer.build.ringquant import HEADROOM, calibrate_rings, quantize_rings, ring_scales
+from enhancer.build.ringquant import HEADROOM, calibrate_rings, graph_ring_scales, quantize_rings, ring_scales
 from enhancer.cli import main
 from enhancer.engine import Engine, LanePool
 from enhancer.runtime import Enhancer
@@ -135,6 +135,24 @@ def test_export_cli(torch_model, tmp_path, capsys):
     assert report["rings"] == "int8" and report["parity_snr_db"] >= MIN_PARITY_SNR_DB
     assert main(["info", out, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rings"] == "int8"
+
+
+def test_export_again_with_the_ring_scales_of_an_earlier_export(torch_model, rings_path, model_path, tmp_path, capsys):
+    import enhancer
+
+    ckpt = enhancer.save_checkpoint(torch_model, torch_model.config, tmp_path / "m.pt")
+    out = tmp_path / "again.onnx"
+    assert main(["export", str(ckpt), "-o", str(out), "--int8-rings", "--ring-scales-from", str(rings_path), "-q"]) == 0
+    assert json.loads(capsys.readouterr().out)["rings"] == "int8"
+    (old, seconds), (new, again) = graph_ring_scales(rings_path), graph_ring_scales(out)
+    assert np.array_equal(new, old) and old.shape == (2 * torch_model.config.n_layers, torch_model.config.n_heads)
+    assert again == seconds == f"{sum(len(x) for x in calibration_audio()) / 16000:.1f}"
+    x = speechlike(16000, seed=7)  # the same graph again: the same output, bit for bit
+    assert np.array_equal(Enhancer(Engine(out)).enhance(x, 16000), Enhancer(Engine(rings_path)).enhance(x, 16000))
+    assert main(["export", str(ckpt), "-o", str(out), "--ring-scales-from", str(rings_path), "-q"]) == 2
+    assert "--ring-scales-from applies to --int8-rings" in capsys.readouterr().err
+    assert main(["export", str(ckpt), "-o", str(out), "--int8-rings", "--ring-scales-from", str(model_path), "-q"]) == 2
+    assert "not a step graph with 8-bit key/value rings" in capsys.readouterr().err
 
 
 def test_an_unknown_ring_format_is_refused(rings_path, tmp_path):

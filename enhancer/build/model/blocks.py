@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
-from .layers import GroupedLinear, GroupLayerNorm, attend, window_mask
+from .layers import GroupedLinear, GroupLayerNorm, attend, masked_softmax, window_mask
 from .live import live_step
 
 
@@ -160,7 +160,7 @@ class EncoderBlock(nn.Module):
             q = q * self.step_scale
         s_ring = q @ k_cache.transpose(-1, -2) + bias  # (B, H, T, W)
         s_chunk = q @ k.transpose(-1, -2) + causal  # (B, H, T, T)
-        p = torch.softmax(torch.cat([s_ring, s_chunk], dim=-1), dim=-1)  # (B, H, T, W+T)
+        p = masked_softmax(torch.cat([s_ring, s_chunk], dim=-1))  # (B, H, T, W+T)
         m = p[..., :w] @ v_cache + p[..., w:] @ v  # (B, H, T, dh)
         m = m.transpose(1, 2).reshape((-1, self.dm) if g == 1 else (-1, g, self.dm))  # (B*T, [G,] dm)
         h = self._after_attention(h, m, c)  # like h

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .layers import masked_softmax
+
 
 def _linear(layer, x: torch.Tensor, i: int, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
     """Mechanism `i`'s map of GroupedLinear `layer` on x (B, d_in) -> (B, d_out)."""
@@ -40,7 +42,7 @@ def live_step(block, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # matmul as its alpha, and a matmul with alpha != 1 misses its one-row kernel (twice the time)
         q = q * torch.full((1, nh, 1, 1), block.step_scale)
     s_ring = q @ k_cache.transpose(-1, -2) + bias  # (B, H, 1, W)
-    p = torch.softmax(torch.cat([s_ring, (q * k).sum(dim=-1, keepdim=True)], dim=-1), dim=-1)  # (B, H, 1, W+1)
+    p = masked_softmax(torch.cat([s_ring, (q * k).sum(dim=-1, keepdim=True)], dim=-1))  # (B, H, 1, W+1)
     m = (p[..., :w] @ v_cache + p[..., w:] * v).reshape(-1, nh * dh)  # (B, d_model), mechanism i at columns i*dm..
     if g == 1:
         return block._after_attention(x, m, None), k, v, None
