@@ -60,8 +60,9 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # a source check
 DEFAULT_MODEL = "tim.onnx"
 # Frames (16 ms hops) per call when audio is already there: `enhancer bench` measures the offline
 # real-time factor at several sizes (`offline_frames`); from about 32 on the weights are read
-# rarely enough that the call is bound by arithmetic, and the in-call attention grows with T.
-OFFLINE_FRAMES = 128
+# rarely enough that the call is bound by arithmetic, and the in-call attention grows with T (each
+# frame attends the window's W ring slots and the call's T frames: W + T scores, W = 256).
+OFFLINE_FRAMES = 64
 
 
 def default_model_path() -> Path:
