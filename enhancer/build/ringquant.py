@@ -136,7 +136,10 @@ def quantize_rings(proto, scales: np.ndarray):
     zero_i8, one = const("rq/zp0_i8", 0, np.int8), const("rq/one", 1.0)
     inv127, tiny, p_scale = const("rq/inv127", 1.0 / 127.0), const("rq/tiny", 1e-30), const("rq/p_scale", P_SCALE)
 
-    heads_eye = const("rq/heads_eye", np.eye(n_heads, dtype=bool)[:, :, None], bool)  # (H, H, 1)
+    q_pads = const("rq/q_pads", [0, 0, 0, 0, 0, 0, 0, n_heads * head_dim], np.int64)
+    q_flat = const("rq/q_flat", [-1, n_heads * (n_heads + 1) * head_dim], np.int64)
+    q_cut = const("rq/q_cut", [n_heads * n_heads * head_dim], np.int64)
+    zero_i64, one_i64 = const("rq/zero_i64", [0], np.int64), const("rq/one_i64", [1], np.int64)
     q_rows = const("rq/q_rows", [-1, n_heads, n_heads * head_dim], np.int64)
     k_rows = const("rq/k_rows", [-1, n_heads * head_dim, window], np.int64)
     s_shape = const("rq/s_shape", [-1, n_heads, 1, window], np.int64)
@@ -164,8 +167,12 @@ def quantize_rings(proto, scales: np.ndarray):
             helper.make_node("Div", [t + "q", t + "sq"], [t + "q_n"], name=t + "q_n"),
             helper.make_node("QuantizeLinear", [t + "q_n", one, zp_u8], [t + "q_u8"], name=t + "q_u8"),
             # all heads of a stream in one product: row h of (H, H dh) holds head h's query in block h
-            # and the zero point elsewhere, against the stream's key rings as one (H dh, W) matrix
-            helper.make_node("Where", [heads_eye, t + "q_u8", zp_u8], [t + "q_blocks"], name=t + "q_blocks"),
+            # and the zero point elsewhere, against the stream's key rings as one (H dh, W) matrix.
+            # Each query padded with H dh zero points, the H rows laid end to end and cut after H H dh
+            # values are that matrix: query h starts at h (H + 1) dh = h (H dh) + h dh.
+            helper.make_node("Pad", [t + "q_u8", q_pads, zp_u8], [t + "q_padded"], name=t + "q_padded"),
+            helper.make_node("Reshape", [t + "q_padded", q_flat], [t + "q_flat"], name=t + "q_flat"),
+            helper.make_node("Slice", [t + "q_flat", zero_i64, q_cut, one_i64], [t + "q_blocks"], name=t + "q_blocks"),
             helper.make_node("Reshape", [t + "q_blocks", q_rows], [t + "q_rows"], name=t + "q_rows"),
             helper.make_node("Reshape", [k, k_rows], [t + "k_rows"], name=t + "k_rows"),
             helper.make_node("MatMulInteger", [t + "q_rows", t + "k_rows", zp_u8], [t + "s_rows"], name=t + "scores"),
