@@ -158,10 +158,12 @@ class EncoderBlock(nn.Module):
         q, k, v = self._step_qkv(h, t)  # (B, H, T, dh)
         if self.step_scale != 1.0:
             q = q * self.step_scale
-        s_ring = q @ k_cache.transpose(-1, -2) + bias  # (B, H, T, W)
-        s_chunk = q @ k.transpose(-1, -2) + causal  # (B, H, T, T)
-        p = masked_softmax(torch.cat([s_ring, s_chunk], dim=-1))  # (B, H, T, W+T)
-        m = p[..., :w] @ v_cache + p[..., w:] @ v  # (B, H, T, dh)
+        # the ring's keys/values and the call's own side by side (W + T rows: fewer bytes to copy than
+        # the (T, W + T) scores would be), one product each
+        keys_t = torch.cat([k_cache.transpose(-1, -2), k.transpose(-1, -2)], dim=-1)  # (B, H, dh, W+T)
+        mask = torch.cat([bias, causal.expand(bias.shape[0], 1, t, t)], dim=-1)  # (B, 1, T, W+T)
+        p = masked_softmax(q @ keys_t + mask)  # (B, H, T, W+T)
+        m = p @ torch.cat([v_cache, v], dim=2)  # (B, H, T, dh)
         m = m.transpose(1, 2).reshape((-1, self.dm) if g == 1 else (-1, g, self.dm))  # (B*T, [G,] dm)
         h = self._after_attention(h, m, c)  # like h
         return h.reshape(-1, g * self.dm) if g > 1 else h, k, v, (None if c is None else c.reshape(-1, g))
