@@ -54,9 +54,11 @@ def run_html(page: Chromium, html: str) -> None:
 
 def unexpected_errors(page: Chromium) -> list[str]:
     """The page's errors but the browser's own log lines that are expected here: the JSON page has no
-    icon, and a websocket refused while nothing listens (a restart) is logged by the browser."""
+    icon, and a websocket refused while nothing listens (a restart), or reset when it reached the
+    listening socket of a service closing it (the kernel resets what was not accepted yet), is
+    logged by the browser."""
     return [e for e in page.errors() if "favicon.ico" not in e
-            and not ("/v1/stream' failed" in e and "ERR_CONNECTION_REFUSED" in e)]
+            and not ("/v1/stream' failed" in e and ("ERR_CONNECTION_REFUSED" in e or "ERR_CONNECTION_RESET" in e))]
 
 
 def console_lines(page: Chromium, prefix: str) -> list[list]:
