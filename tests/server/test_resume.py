@@ -34,8 +34,8 @@ def _resume(url: str, blob: bytes, rest: np.ndarray, start: dict | None = None, 
     with connect(url, max_size=None) as ws:
         ws.send(json.dumps({"sample_rate": SR, "encoding": "f32le", "resumable": True, "resume_bytes": len(blob)}
                            | (start or {})))
-        for i in range(0, len(blob), piece):
-            ws.send(blob[i:i + piece])
+        for part in _in_messages(blob, piece):
+            ws.send(part)
         ready = json.loads(ws.recv(timeout=10))
         assert ready["type"] == "ready", ready
         for i in range(0, len(rest), 1600):
@@ -83,6 +83,11 @@ def _announce(n, **start):
     return {"sample_rate": SR, "encoding": "f32le", "resumable": True, "resume_bytes": n} | start
 
 
+def _in_messages(blob: bytes, size: int = 100_000) -> list[bytes]:
+    """`blob` cut into binary messages of `size` bytes (the last one shorter)."""
+    return [blob[i:i + size] for i in range(0, len(blob), size)]
+
+
 def _with_meta(blob: bytes, change: dict, drop=()) -> bytes:
     """`blob` with its meta changed by `change` and without the keys `drop`."""
     with np.load(io.BytesIO(blob)) as z:
@@ -107,17 +112,17 @@ def test_a_state_that_cannot_be_used_is_refused_with_invalid_state(live, enhance
                      "binary messages", start=_announce(len(blob)))
     elif case == "more":
         longer = blob + b"\0" * 8
-        expect_close(live.ws_url, [longer[i:i + 100_000] for i in range(0, len(longer), 100_000)], 1007,
+        expect_close(live.ws_url, _in_messages(longer), 1007,
                      "invalid_state", "binary messages", start=_announce(len(blob)))
     elif case == "garbage":
         expect_close(live.ws_url, [b"\x01" * 5000], 1007, "invalid_state", "not readable", start=_announce(5000))
     elif case == "rate":  # a 48 kHz stream's state given to a 16 kHz stream
         other = _state(enhancer_rt, speechlike(24000, 48000, seed=93), rate=48000)
-        expect_close(live.ws_url, [other[i:i + 100_000] for i in range(0, len(other), 100_000)], 1007,
+        expect_close(live.ws_url, _in_messages(other), 1007,
                      "invalid_state", "sample_rate", start=_announce(len(other)))
     elif case in ("counts", "negative"):  # a meta without its sample counts, or with a negative one
         forged = _with_meta(blob, {"output_samples": -1}) if case == "negative" else _with_meta(blob, {}, ["input_samples"])
-        expect_close(live.ws_url, [forged[i:i + 100_000] for i in range(0, len(forged), 100_000)], 1007,
+        expect_close(live.ws_url, _in_messages(forged), 1007,
                      "invalid_state", "input_samples" if case == "counts" else "output_samples",
                      start=_announce(len(forged)))
     else:
