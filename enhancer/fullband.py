@@ -21,13 +21,14 @@ bands leave of the model's band, the gain is 0, so the output taken down to 16 k
 * the speech probability per 16 ms output hop is the model's: its speech `activity` (the mean gain
   over 300 Hz..4 kHz) between `ACTIVITY_OFF` and `ACTIVITY_ON`, times the enhanced low band's
   presence above its own floor; smoothed with a fast attack and a slower release;
-* each band's gain is the larger of two: a Wiener gain on a decision-directed a-priori SNR, at
-  least `SPEECH_FLOOR`, times the speech probability to the power `SPEECH_POWER`; and, for a model
-  with an upper-band head beside it (`upperband.npz`, `enhancer.upperhead`; the shipped model
-  has none), the head's (at least `HEAD_FLOOR` times the speech probability): a small GRU per band
-  that reads the band's SNR against that noise estimate, its neighbours', the speech probability
-  and the model's own gain near 8 kHz (the enhanced low band over the noisy input from 3 to 7.8
-  kHz, over the window that ends where the frame starts).
+* each band's gain, for a model with an upper-band head beside it (`upperband.npz`,
+  `enhancer.upperhead`; the shipped model has one), is the head's, at least `HEAD_FLOOR` times the
+  speech probability: a small GRU per band that reads the band's SNR against that noise estimate,
+  its neighbours', the speech probability and the model's own gain near 8 kHz (the enhanced low
+  band over the noisy input from 3 to 7.8 kHz, over the window that ends where the frame starts),
+  so it follows noise that changes under the voice, which the frozen estimate cannot;
+* without a head, a Wiener gain on a decision-directed a-priori SNR against that estimate, at
+  least `SPEECH_FLOOR`, times the speech probability to the power `SPEECH_POWER`.
 
 Never below the stream's gain floor (`atten_lim_db`). Everything is causal: the frame whose window
 starts at sample s takes the model's speech probability at s, which is known as soon as the
@@ -114,8 +115,8 @@ class BandGains:
     `step(power, speech, low)`: the frame's power spectrum (channels, bins), the model's speech
     probability (channels,) and, for the learned head, the low band's power spectra (the enhanced
     and the noisy input's over the last window, the noisy input's over this frame's; each
-    (channels, bins)) -> the gain per bin (channels, bins). Without a head the gain is the
-    per-band Wiener gain below."""
+    (channels, bins)) -> the gain per bin (channels, bins): the head's, or without one the
+    per-band Wiener gain."""
 
     def __init__(self, sample_rate: int, n_fft: int, hop: int, channels: int, head: UpperHead | None = None):
         f = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
@@ -165,15 +166,15 @@ class BandGains:
         self.frames += 1
         floor = MIN_BIAS * self.history.push(self.smooth)
         self.noise = np.maximum(np.minimum(self.noise, self.smooth * 4.0), np.minimum(floor, self.smooth))
+        if self.head is not None:
+            x = features(p, self.noise, speech, *(q @ self._low for q in low), self.centers_hz)
+            learned, self._h = self.head.step(x, self._h)
+            return np.maximum(learned, HEAD_FLOOR * s) @ self._interp.T
         n = np.maximum(self.noise, _EPS)
         post = p / n
         prior = DD * self.clean / n + (1.0 - DD) * np.maximum(post - 1.0, 0.0)
         g = np.maximum(prior / (1.0 + prior), SPEECH_FLOOR) * s ** SPEECH_POWER
         self.clean = g * g * p
-        if self.head is not None:  # the larger of the two: a band either of them hears the voice in stays open
-            x = features(p, self.noise, speech, *(q @ self._low for q in low), self.centers_hz)
-            learned, self._h = self.head.step(x, self._h)
-            g = np.maximum(g, np.maximum(learned, HEAD_FLOOR * s))
         return g @ self._interp.T
 
     _STATE = ("frames", "noise", "smooth", "history", "clean", "_h")

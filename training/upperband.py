@@ -298,8 +298,7 @@ def main(argv=None) -> int:
             init = {k: z[k] for k in z.files}
     weights = train(rest, held, a.hidden, a.epochs, a.alpha, a.lsd_weight, a.lr, seed=a.seed, init=init, log=log)
     np.savez(a.out / "upperband.npz", **weights)
-    (a.out / "train.json").write_text(json.dumps(vars(a) | {"out": str(a.out), "data": str(a.data),
-                                                            "model": str(a.model)}, indent=1))
+    (a.out / "train.json").write_text(json.dumps(vars(a), indent=1, default=str))  # paths as text
     log(f"wrote {a.out / 'upperband.npz'}")
     return 0
 

@@ -1,7 +1,8 @@
 """The upper band's learned head (`enhancer.upperhead`): the numpy GRU equals torch's on the same
 weights, frame by frame; broken weight files are a CheckpointError naming the file; a head beside
-the model is used (the shipped model has none: the Wiener gains alone); a stream with a head is
-the same in any chunking, never below the Wiener gains, and the same as without one at 16 kHz."""
+the model is used (the shipped model has one); with a head a band's gain is the head's, at least
+HEAD_FLOOR times the speech probability; a stream with a head is the same in any chunking and the
+same as without one at 16 kHz."""
 import numpy as np
 import pytest
 
@@ -65,17 +66,50 @@ def test_broken_weights_are_a_checkpoint_error(tmp_path):
         UpperHead.load(tmp_path / "c.npz")
 
 
-def test_a_head_beside_the_model_is_used_and_none_ships(tmp_path):
+def test_a_head_beside_the_model_is_used_and_one_ships(tmp_path):
     from enhancer.engine import load_upper_head
     from enhancer.runtime import MODELS_DIR
 
-    assert not (MODELS_DIR / WEIGHTS).exists()
+    shipped = load_upper_head(MODELS_DIR / "tim.onnx")
+    assert shipped is not None and shipped.hidden == 48
     assert load_upper_head(tmp_path / "model.onnx") is None
     np.savez(tmp_path / WEIGHTS, **random_weights(hidden=4))
     assert load_upper_head(tmp_path / "model.onnx").hidden == 4
 
 
-def test_a_stream_with_a_head_is_chunking_free_and_never_below_the_wiener_gains(enhancer_rt):
+class _ConstantHead:
+    """A head whose gain is `value` in every band and frame."""
+
+    hidden = 1
+
+    def __init__(self, value):
+        self.value = value
+
+    def state(self, shape):
+        return np.zeros(shape + (1,), np.float32)
+
+    def step(self, x, h):
+        return np.full(x.shape[:-1], self.value), h
+
+
+@pytest.mark.parametrize("value", [0.0, 0.6])
+def test_with_a_head_the_gain_is_the_heads_at_least_the_floor_times_the_speech_probability(value):
+    from enhancer.fullband import HEAD_FLOOR, BandGains
+
+    sr, hop = 48000, 480
+    f = np.fft.rfftfreq(2 * hop, 1 / sr)
+    g = BandGains(sr, 2 * hop, hop, 2, _ConstantHead(value))
+    rng = np.random.default_rng(0)
+    low = [rng.exponential(1e-6, (2, len(f))) for _ in range(3)]
+    for speech in (0.0, 0.5, 1.0, 0.25):
+        gains = g.step(rng.exponential(1e-6, (2, len(f))), np.array([speech, 1.0]), low)
+        upper = f >= 8000
+        np.testing.assert_allclose(gains[0, upper], max(value, HEAD_FLOOR * speech), rtol=1e-12)
+        np.testing.assert_allclose(gains[1, upper], max(value, HEAD_FLOOR), rtol=1e-12)
+        assert np.all(gains[:, ~upper] == 0.0)  # the model's band is not added again
+
+
+def test_a_stream_with_a_head_is_chunking_free(enhancer_rt):
     from tests.enhancer.test_fullband import chunked, noisy
     from tests.tolerance import assert_close_to_peak
 
@@ -96,6 +130,5 @@ def test_a_stream_with_a_head_is_chunking_free_and_never_below_the_wiener_gains(
     finally:
         engine.upper_head = kept
     assert_close_to_peak(parts, whole, rel=1e-5)
-    hi = lambda y: np.abs(np.fft.rfft(y))[np.fft.rfftfreq(len(y), 1 / sr) > 9000]  # noqa: E731
-    assert hi(whole).sum() >= hi(wiener).sum()  # the larger of the two gains: never less kept
+    assert not np.array_equal(whole, wiener)  # the head's gains, not the Wiener gains
     assert not np.allclose(whole, wiener)  # the head takes part

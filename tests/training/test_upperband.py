@@ -66,3 +66,27 @@ def test_the_collected_features_and_targets_follow_the_runtime(enhancer_rt):
     cross = np.abs(noisy - S - N).sum() / (S + N).sum()
     assert S.shape == N.shape == (frames, gains.k) and CL.shape == (frames,)
     assert cross < 0.05  # uncorrelated clean and noise: their band powers add up to the noisy's
+
+
+def test_the_command_trains_on_collected_frames_from_a_head_and_records_its_arguments(tmp_path):
+    """`--frames` (repeatable) and `--init`: the head is trained on those frames from those weights,
+    written beside train.json, which records the arguments (paths as text)."""
+    import json
+
+    from tests.enhancer.test_upperhead import random_weights
+
+    arrays = {}
+    for i, it in enumerate(synthetic(6, 2)):
+        cl = np.full(it["X"].shape[1], 1.0)
+        arrays.update({f"m{i:04d}_X": np.transpose(it["X"], (1, 0, 2)), f"m{i:04d}_S": it["S"].T,
+                       f"m{i:04d}_N": it["N"].T, f"m{i:04d}_CL": cl, f"m{i:04d}_sr": np.array(48000)})
+    np.savez(tmp_path / "frames.npz", **arrays)
+    np.savez(tmp_path / "init.npz", **random_weights(hidden=8, seed=4))
+    out = tmp_path / "run"
+    assert ub.main(["--out", str(out), "--frames", str(tmp_path / "frames.npz"), "--frames", str(tmp_path / "frames.npz"),
+                    "--init", str(tmp_path / "init.npz"), "--hidden", "8", "--epochs", "1", "--held-out", "2"]) == 0
+    record = json.loads((out / "train.json").read_text())
+    assert record["frames"] == [str(tmp_path / "frames.npz")] * 2 and record["init"] == str(tmp_path / "init.npz")
+    trained = UpperHead.load(out / "upperband.npz")
+    assert trained.hidden == 8
+    assert not np.array_equal(trained.inp_w, UpperHead(random_weights(hidden=8, seed=4)).inp_w)
