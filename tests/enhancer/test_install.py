@@ -61,7 +61,7 @@ def test_pyproject_ships_the_model_as_package_data():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     st = cfg["tool"]["setuptools"]
     assert st["package-dir"]["enhancer.models"] == "models" and "enhancer.models" in st["packages"]
-    assert "tim.onnx" in st["package-data"]["enhancer.models"]
+    assert {"tim.onnx", "upperband.npz"} <= set(st["package-data"]["enhancer.models"])  # the upper band's head beside it
     assert cfg["project"]["license"] == "MIT"  # an SPDX expression, not the deprecated table
 
 
@@ -79,7 +79,7 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert {"enhancer/models/tim.onnx", "server/static/index.html", "training/quickstart.json",
+    assert {"enhancer/models/tim.onnx", "enhancer/models/upperband.npz", "server/static/index.html", "training/quickstart.json",
             "enhancer/graphs/lane_writer.onnx", "enhancer/graphs/zero_rows.onnx"} <= names
     harness = [n for n in names if n.startswith(("tools/", "training/peers/"))]
     assert not harness, harness  # the test and benchmark tools run from a checkout, they are not shipped
@@ -90,13 +90,13 @@ def test_wheel_install_finds_the_shipped_model_from_another_folder(tmp_path):
     assert inst.returncode == 0, inst.stderr[-3000:]
     code = ("import numpy as np, enhancer; from enhancer.runtime import Enhancer; e = Enhancer.from_pretrained(); "
             "y = e.enhance(np.random.default_rng(0).standard_normal(16000).astype('float32') * 0.1, 16000); "
-            "print(enhancer.__file__); print(e.engine.path); print(y.shape, bool(np.isfinite(y).all()))")
+            "print(enhancer.__file__); print(e.engine.path); print(y.shape, bool(np.isfinite(y).all()), e.engine.upper_head is not None)")
     env = {k: v for k, v in os.environ.items() if k not in (MODEL_ENV, "PYTHONPATH")} | {"PYTHONPATH": str(site)}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path / "dist", env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     module, model, result = run.stdout.strip().splitlines()
     assert module.startswith(str(site)) and model == str(site / "enhancer" / "models" / "tim.onnx"), run.stdout
-    assert result == "(16000,) True"
+    assert result == "(16000,) True True"  # the head beside the installed model is found
 
 
 def test_docker_context_leaves_the_harness_out():
