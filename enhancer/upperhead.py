@@ -12,7 +12,7 @@ is known at that frame:
 
 A linear layer, a GRU and a sigmoid give the band's gain; its state carries each band's history.
 One set of weights serves every band and every rate (the bands differ by their place). Weights
-(`upperband.npz` beside a model; the shipped model has none) come from `training.upperband`, with
+(`upperband.npz` beside a model; the shipped model has one) come from `training.upperband`, with
 the model frozen, on full-band mixtures of the corpus's training rows.
 """
 from __future__ import annotations
