@@ -32,16 +32,20 @@ def chunked(stream, x, rng, max_len):
     return np.concatenate(parts, axis=0)
 
 
+def band_pass(x: np.ndarray, sr: int, lo: float, hi: float = np.inf) -> np.ndarray:
+    """`x` with only its content between `lo` and `hi` Hz (float64)."""
+    spec = np.fft.rfft(np.asarray(x, np.float64))
+    f = np.fft.rfftfreq(len(x), 1 / sr)
+    spec[(f < lo) | (f > hi)] = 0
+    return np.fft.irfft(spec, len(x))
+
+
 def voice_air(clean: np.ndarray, sr: int, lo: float = 8500.0) -> np.ndarray:
     """An upper band for a voice recorded at 16 kHz: its own 4-7.8 kHz band shifted up by 4.5 kHz,
     kept above `lo` and 3 dB down (the fricatives' spectrum, timing and level above 8 kHz, as in
     full-band recordings of speech)."""
-    f = np.fft.rfftfreq(len(clean), 1 / sr)
-    spec = np.fft.rfft(np.asarray(clean, np.float64))
-    spec[(f < 4000) | (f > 7800)] = 0
-    shifted = np.fft.rfft(np.fft.irfft(spec, len(clean)) * 2 * np.cos(2 * np.pi * 4500 * np.arange(len(clean)) / sr))
-    shifted[f < lo] = 0
-    return np.fft.irfft(shifted, len(clean)) * 10 ** (-3 / 20)
+    shifted = band_pass(clean, sr, 4000.0, 7800.0) * 2 * np.cos(2 * np.pi * 4500 * np.arange(len(clean)) / sr)
+    return band_pass(shifted, sr, lo) * 10 ** (-3 / 20)
 
 
 def upper_share(y: np.ndarray, sr: int) -> float:
@@ -216,15 +220,9 @@ def test_noise_under_the_voice_is_removed_above_8_khz():
     clean16 = np.concatenate([clean16[:2 * 16000], np.zeros(16000, np.float32), clean16[2 * 16000:4 * 16000]])
     clean = soxr.resample(clean16, 16000, sr).astype(np.float64)
     rng = np.random.default_rng(1)
-
-    def above(x, lo=8500.0):
-        spec = np.fft.rfft(x)
-        spec[np.fft.rfftfreq(len(x), 1 / sr) < lo] = 0
-        return np.fft.irfft(spec, len(x))
-
     clean = clean + voice_air(clean, sr)  # the voice's own upper band
-    hiss = above(rng.standard_normal(len(clean)))
-    hiss *= np.sqrt(np.mean(above(clean) ** 2) / np.mean(hiss ** 2))
+    hiss = band_pass(rng.standard_normal(len(clean)), sr, 8500.0)
+    hiss *= np.sqrt(np.mean(band_pass(clean, sr, 8500.0) ** 2) / np.mean(hiss ** 2))
     noisy = (clean + hiss).astype(np.float32)
     r = upper_band(clean.astype(np.float32), noisy, enh.enhance(noisy, sr), sr)
     assert r["pause_frames"] > 50 and r["speech_frames"] > 200, r

@@ -101,9 +101,9 @@ def test_with_a_head_the_gain_is_the_heads_at_least_the_floor_times_the_speech_p
     g = BandGains(sr, 2 * hop, hop, 2, _ConstantHead(value))
     rng = np.random.default_rng(0)
     low = [rng.exponential(1e-6, (2, len(f))) for _ in range(3)]
+    upper = f >= 8000
     for speech in (0.0, 0.5, 1.0, 0.25):
         gains = g.step(rng.exponential(1e-6, (2, len(f))), np.array([speech, 1.0]), low)
-        upper = f >= 8000
         np.testing.assert_allclose(gains[0, upper], max(value, HEAD_FLOOR * speech), rtol=1e-12)
         np.testing.assert_allclose(gains[1, upper], max(value, HEAD_FLOOR), rtol=1e-12)
         assert np.all(gains[:, ~upper] == 0.0)  # the model's band is not added again
@@ -130,5 +130,4 @@ def test_a_stream_with_a_head_is_chunking_free(enhancer_rt):
     finally:
         engine.upper_head = kept
     assert_close_to_peak(parts, whole, rel=1e-5)
-    assert not np.array_equal(whole, wiener)  # the head's gains, not the Wiener gains
     assert not np.allclose(whole, wiener)  # the head takes part
