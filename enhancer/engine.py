@@ -111,8 +111,8 @@ class StepResult:
 
 
 def load_upper_head(model_path: Path) -> UpperHead | None:
-    """The upper band's learned head of the model at `model_path`: `upperband.npz` beside it; None
-    (the per-band Wiener gains alone) when there is none, as for the shipped model."""
+    """The upper band's learned head of the model at `model_path`: `upperband.npz` beside it (the
+    shipped model has one); None (the per-band Wiener gains alone) when there is none."""
     path = Path(model_path).parent / HEAD_WEIGHTS
     return UpperHead.load(path) if path.is_file() else None
 

@@ -24,6 +24,7 @@ import numpy as np
 from .errors import CheckpointError
 
 LOW_EDGES_HZ = (3000.0, 4000.0, 5000.0, 6000.0, 7000.0, 7800.0)  # the low-band cues' bands
+N_FEATURES = 21  # inputs per band
 WEIGHTS = "upperband.npz"
 _KEYS = ("inp_w", "inp_b", "w_ih", "w_hh", "b_ih", "b_hh", "out_w", "out_b")
 
@@ -33,7 +34,7 @@ def _db(x):
 
 
 def features(power, noise, speech, low_out, low_in, low_now, centers_hz) -> np.ndarray:
-    """The head's input (c, K, 21): `power`, `noise` (c, K) the bands' noisy power and noise
+    """The head's input (c, K, N_FEATURES): `power`, `noise` (c, K) the bands' noisy power and noise
     estimate; `speech` (c,) the speech probability; `low_out`, `low_in` (c, 5) the enhanced and the
     noisy low band's power over the last window, `low_now` (c, 5) the noisy low band's over this
     frame's; `centers_hz` (K,) the bands' centres."""
@@ -41,7 +42,7 @@ def features(power, noise, speech, low_out, low_in, low_now, centers_hz) -> np.n
     b = len(LOW_EDGES_HZ) - 1
     p, lo, ln = _db(power), _db(low_out), _db(low_now)
     post = _clip(p - _db(noise), -10.0, 40.0) / 10.0
-    x = np.empty((c, k, 6 + 3 * b), np.float32)
+    x = np.empty((c, k, N_FEATURES), np.float32)
     x[..., 0] = post
     x[..., 1] = (p + 60.0) / 30.0
     x[:, 0, 2], x[:, 1:, 2] = post[:, 0], post[:, :-1]  # the band below (the lowest: itself)
@@ -73,6 +74,9 @@ class UpperHead:
         self.hidden = a["w_hh"].shape[1]
         if a["w_ih"].shape != (3 * self.hidden, a["inp_w"].shape[0]) or a["w_hh"].shape != (3 * self.hidden, self.hidden):
             raise CheckpointError("upper-band head weights have inconsistent shapes")
+        if a["inp_w"].shape[1] != N_FEATURES:
+            raise CheckpointError(f"the upper-band head reads {a['inp_w'].shape[1]} inputs per band; this runtime "
+                                  f"gives {N_FEATURES} (train it again: python -m training.upperband)")
         self.inp_w, self.inp_b = a["inp_w"].T.copy(), a["inp_b"]
         self.w_ih, self.w_hh, self.b_ih, self.b_hh = a["w_ih"].T.copy(), a["w_hh"].T.copy(), a["b_ih"], a["b_hh"]
         self.out_w, self.out_b = a["out_w"].reshape(-1), float(a["out_b"].reshape(-1)[0])

@@ -145,11 +145,17 @@ def frame_targets(clean: np.ndarray, noise: np.ndarray, sr: int, frames: int, fh
 def collect(data: Path, n: int, seed: int, out: Path, model: Path | None = None, highpass_share: float = 0.0,
             log=print) -> Path:
     """Write `out` (npz): per mixture m, `m_X` (frames, K, F) features, `m_S`, `m_N` (frames, K),
-    `m_CL` (frames,), `m_sr`."""
-    from enhancer.fullband import HighBand
-    from enhancer.runtime import Enhancer
+    `m_CL` (frames,), `m_sr`. The model's own head is not read (a recorder takes its place), so a
+    head trained for other inputs does not stop a collection."""
+    import tempfile
 
-    enh = Enhancer.from_pretrained(model, providers=["CPUExecutionProvider"])
+    from enhancer.fullband import HighBand
+    from enhancer.runtime import Enhancer, default_model_path
+
+    with tempfile.TemporaryDirectory() as tmp:  # the model alone, without the head beside it
+        bare = Path(tmp) / "model.onnx"
+        bare.symlink_to(Path(model or default_model_path()).resolve())
+        enh = Enhancer.from_pretrained(bare, providers=["CPUExecutionProvider"])
     arrays, t0 = {}, time.time()
     for i, (clean, noise, sr) in enumerate(mixtures(data, n, seed, highpass_share)):
         rec = _Recorder()

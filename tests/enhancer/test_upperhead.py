@@ -2,15 +2,15 @@
 weights, frame by frame; broken weight files are a CheckpointError naming the file; a head beside
 the model is used (the shipped model has one); with a head a band's gain is the head's, at least
 HEAD_FLOOR times the speech probability; a stream with a head is the same in any chunking and the
-same as without one at 16 kHz."""
+same as without one at 16 kHz; a head for other inputs is a CheckpointError."""
 import numpy as np
 import pytest
 
 from enhancer.errors import CheckpointError
-from enhancer.upperhead import WEIGHTS, UpperHead, features
+from enhancer.upperhead import N_FEATURES, WEIGHTS, UpperHead, features
 
 
-def random_weights(n_in=21, hidden=8, seed=0) -> dict:
+def random_weights(n_in=N_FEATURES, hidden=8, seed=0) -> dict:
     r = np.random.default_rng(seed)
     return {"inp_w": r.normal(0, 0.5, (hidden, n_in)), "inp_b": r.normal(0, 0.1, hidden),
             "w_ih": r.normal(0, 0.5, (3 * hidden, hidden)), "w_hh": r.normal(0, 0.5, (3 * hidden, hidden)),
@@ -22,7 +22,7 @@ def test_the_numpy_head_equals_torch_frame_by_frame():
     torch = pytest.importorskip("torch")
     w = random_weights()
     head = UpperHead(w)
-    inp = torch.nn.Linear(21, 8)
+    inp = torch.nn.Linear(N_FEATURES, 8)
     gru = torch.nn.GRU(8, 8, batch_first=True)
     out = torch.nn.Linear(8, 1)
     with torch.no_grad():
@@ -30,7 +30,7 @@ def test_the_numpy_head_equals_torch_frame_by_frame():
         gru.weight_ih_l0[:], gru.weight_hh_l0[:] = torch.tensor(w["w_ih"]), torch.tensor(w["w_hh"])
         gru.bias_ih_l0[:], gru.bias_hh_l0[:] = torch.tensor(w["b_ih"]), torch.tensor(w["b_hh"])
         out.weight[:], out.bias[:] = torch.tensor(w["out_w"]), torch.tensor(w["out_b"])
-        x = np.random.default_rng(1).normal(0, 1, (5, 40, 21)).astype(np.float32)  # (bands, frames, features)
+        x = np.random.default_rng(1).normal(0, 1, (5, 40, N_FEATURES)).astype(np.float32)  # (bands, frames, features)
         h_t, _ = gru(torch.relu(inp(torch.tensor(x))))
         want = torch.sigmoid(out(h_t))[..., 0].numpy()
     h = head.state((5,))
@@ -47,7 +47,7 @@ def test_features_have_the_heads_width_and_stay_finite_on_silence():
     zeros = np.zeros((c, k))
     x = features(zeros, zeros, np.zeros(c), np.zeros((c, 5)), np.zeros((c, 5)), np.zeros((c, 5)),
                  np.linspace(8500, 22000, k))
-    assert x.shape == (c, k, 21) and np.all(np.isfinite(x))
+    assert x.shape == (c, k, N_FEATURES) and np.all(np.isfinite(x))
 
 
 def test_broken_weights_are_a_checkpoint_error(tmp_path):
@@ -61,6 +61,9 @@ def test_broken_weights_are_a_checkpoint_error(tmp_path):
     np.savez(tmp_path / "b.npz", **w)
     with pytest.raises(CheckpointError, match="shapes"):
         UpperHead.load(tmp_path / "b.npz")
+    np.savez(tmp_path / "d.npz", **random_weights(n_in=N_FEATURES - 3))  # a head for other inputs
+    with pytest.raises(CheckpointError, match=f"reads {N_FEATURES - 3} inputs"):
+        UpperHead.load(tmp_path / "d.npz")
     (tmp_path / "c.npz").write_bytes(b"not a zip")
     with pytest.raises(CheckpointError, match="c.npz"):
         UpperHead.load(tmp_path / "c.npz")

@@ -6,7 +6,7 @@ the targets use the upper band's framing (the clean plus the noise per band is t
 import numpy as np
 import pytest
 
-from enhancer.upperhead import UpperHead
+from enhancer.upperhead import N_FEATURES, UpperHead
 from training import upperband as ub
 
 torch = pytest.importorskip("torch")
@@ -16,7 +16,7 @@ def synthetic(n: int, seed: int) -> list[dict]:
     r = np.random.default_rng(seed)
     items = []
     for _ in range(n):
-        x = r.normal(0, 1, (3, 60, 21)).astype(np.float32)
+        x = r.normal(0, 1, (3, 60, N_FEATURES)).astype(np.float32)
         share = 1 / (1 + np.exp(-3 * x[..., 0]))  # the clean's share of each band and frame
         total = r.exponential(1.0, (3, 60))
         items.append({"X": x, "S": share * total, "N": (1 - share) * total, "speech": np.ones(60, bool)})
@@ -60,7 +60,7 @@ def test_the_collected_features_and_targets_follow_the_runtime(enhancer_rt):
     gains = BandGains(sr, 2 * band.fhop, band.fhop, 1)
     frames = len(rec.frames)
     assert frames == pytest.approx(sr / band.fhop, abs=3)
-    assert rec.frames[0].shape == (gains.k, 21)
+    assert rec.frames[0].shape == (gains.k, N_FEATURES)
     S, N, CL = ub.frame_targets(clean, noise, sr, frames, band.fhop, gains._member)
     noisy = ub.frame_targets(clean + noise, np.zeros_like(noise), sr, frames, band.fhop, gains._member)[0]
     cross = np.abs(noisy - S - N).sum() / (S + N).sum()
@@ -90,3 +90,37 @@ def test_the_command_trains_on_collected_frames_from_a_head_and_records_its_argu
     trained = UpperHead.load(out / "upperband.npz")
     assert trained.hidden == 8
     assert not np.array_equal(trained.inp_w, UpperHead(random_weights(hidden=8, seed=4)).inp_w)
+
+
+def test_collect_records_the_runtimes_inputs_beside_a_head_for_other_inputs(tmp_path):
+    """A collection runs the model without its head (a recorder takes its place): a head trained
+    for other inputs beside the model, which the runtime refuses, does not stop it."""
+    import soundfile as sf
+
+    from enhancer.errors import CheckpointError
+    from enhancer.runtime import Enhancer, default_model_path
+    from tests.enhancer.test_upperhead import random_weights
+
+    data, r = tmp_path / "corpus", np.random.default_rng(0)
+    (data / "manifests").mkdir(parents=True)
+    (data / "a").mkdir()
+    header = "path\tseconds\tsample_rate\tgroup\tbandwidth_hz\n"
+    t = np.arange(44100) / 44100
+    for i in range(3):  # one voice: full-band bursts three times a second
+        sf.write(data / "a" / f"s{i}.flac", (r.normal(0, 0.1, 44100) * (np.sin(2 * np.pi * 3 * t) > 0)), 44100)
+    sf.write(data / "a" / "n.flac", r.normal(0, 0.05, 2 * 44100), 44100)
+    (data / "manifests" / "speech_train.tsv").write_text(
+        header + "".join(f"a/s{i}.flac\t1.0\t44100\tvoice\t22050\n" for i in range(3)))
+    (data / "manifests" / "noise_train.tsv").write_text(header + "a/n.flac\t2.0\t44100\thiss\t22050\n")
+    model = tmp_path / "m" / "tim.onnx"
+    model.parent.mkdir()
+    model.symlink_to(default_model_path().resolve())
+    np.savez(model.parent / "upperband.npz", **random_weights(n_in=N_FEATURES - 3))
+    with pytest.raises(CheckpointError, match="inputs"):
+        Enhancer.from_pretrained(model, providers=["CPUExecutionProvider"])
+
+    items = ub.load_frames(ub.collect(data, 2, 0, tmp_path / "frames.npz", model, log=lambda m: None))
+    assert len(items) == 2
+    for it in items:
+        k, frames, width = it["X"].shape
+        assert width == N_FEATURES and it["S"].shape == it["N"].shape == (k, frames) and it["speech"].any()
