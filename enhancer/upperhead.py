@@ -24,7 +24,7 @@ import numpy as np
 from .errors import CheckpointError
 
 LOW_EDGES_HZ = (3000.0, 4000.0, 5000.0, 6000.0, 7000.0, 7800.0)  # the low-band cues' bands
-N_FEATURES = 21  # inputs per band
+N_FEATURES = 6 + 3 * (len(LOW_EDGES_HZ) - 1)  # inputs per band: six of the band, three per low-band cue
 WEIGHTS = "upperband.npz"
 _KEYS = ("inp_w", "inp_b", "w_ih", "w_hh", "b_ih", "b_hh", "out_w", "out_b")
 

@@ -149,12 +149,16 @@ def collect(data: Path, n: int, seed: int, out: Path, model: Path | None = None,
     head trained for other inputs does not stop a collection."""
     import tempfile
 
+    from enhancer.errors import CheckpointError
     from enhancer.fullband import HighBand
     from enhancer.runtime import Enhancer, default_model_path
 
+    model = Path(model) if model is not None else default_model_path()
+    if not model.is_file():  # named here: the session below opens a link to it
+        raise CheckpointError(f"no model at {model}")
     with tempfile.TemporaryDirectory() as tmp:  # the model alone, without the head beside it
         bare = Path(tmp) / "model.onnx"
-        bare.symlink_to(Path(model or default_model_path()).resolve())
+        bare.symlink_to(model.resolve())
         enh = Enhancer.from_pretrained(bare, providers=["CPUExecutionProvider"])
     arrays, t0 = {}, time.time()
     for i, (clean, noise, sr) in enumerate(mixtures(data, n, seed, highpass_share)):

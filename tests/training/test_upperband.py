@@ -95,23 +95,16 @@ def test_the_command_trains_on_collected_frames_from_a_head_and_records_its_argu
 def test_collect_records_the_runtimes_inputs_beside_a_head_for_other_inputs(tmp_path):
     """A collection runs the model without its head (a recorder takes its place): a head trained
     for other inputs beside the model, which the runtime refuses, does not stop it."""
-    import soundfile as sf
-
     from enhancer.errors import CheckpointError
     from enhancer.runtime import Enhancer, default_model_path
     from tests.enhancer.test_upperhead import random_weights
+    from tests.training.conftest import make_corpus, write
 
-    data, r = tmp_path / "corpus", np.random.default_rng(0)
-    (data / "manifests").mkdir(parents=True)
-    (data / "a").mkdir()
-    header = "path\tseconds\tsample_rate\tgroup\tbandwidth_hz\n"
-    t = np.arange(44100) / 44100
-    for i in range(3):  # one voice: full-band bursts three times a second
-        sf.write(data / "a" / f"s{i}.flac", (r.normal(0, 0.1, 44100) * (np.sin(2 * np.pi * 3 * t) > 0)), 44100)
-    sf.write(data / "a" / "n.flac", r.normal(0, 0.05, 2 * 44100), 44100)
-    (data / "manifests" / "speech_train.tsv").write_text(
-        header + "".join(f"a/s{i}.flac\t1.0\t44100\tvoice\t22050\n" for i in range(3)))
-    (data / "manifests" / "noise_train.tsv").write_text(header + "a/n.flac\t2.0\t44100\thiss\t22050\n")
+    data = make_corpus(tmp_path / "corpus")  # its one full-band voice: kde fr at 44.1 kHz
+    hiss = np.random.default_rng(0).normal(0, 0.05, 2 * 44100).astype(np.float32)
+    rel, sec, sr = write(data, "noise/air/hiss.flac", hiss, 44100)
+    with open(data / "manifests" / "noise_train.tsv", "a") as f:
+        f.write(f"{rel}\t{sec:.3f}\t{sr}\tair\t22050\n")
     model = tmp_path / "m" / "tim.onnx"
     model.parent.mkdir()
     model.symlink_to(default_model_path().resolve())
@@ -124,3 +117,5 @@ def test_collect_records_the_runtimes_inputs_beside_a_head_for_other_inputs(tmp_
     for it in items:
         k, frames, width = it["X"].shape
         assert width == N_FEATURES and it["S"].shape == it["N"].shape == (k, frames) and it["speech"].any()
+    with pytest.raises(CheckpointError, match="nowhere.onnx"):
+        ub.collect(data, 1, 0, tmp_path / "none.npz", tmp_path / "nowhere.onnx", log=lambda m: None)
