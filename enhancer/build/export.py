@@ -31,9 +31,9 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     signal-to-difference ratio of the output audio (`parity_snr_db`). `verbose`: say each stage on
     stderr, with a progress bar for the comparison.
 
-    `int8_weights` stores the dense layers' weights as 8-bit blocks (`enhancer.build.quantize`): a
-    quarter of the bytes to read per step, so a faster step at small batches, but no longer exact:
-    the check then reports how far the output is from torch instead of bit-level parity.
+    `int8_weights` computes the dense layers in 8 bits (`enhancer.build.quantize`): a quarter of the
+    weight bytes to read per step and onnxruntime's 8-bit products, so a faster step, but no longer
+    exact: the check then reports how far the output is from torch instead of bit-level parity.
 
     `fp16_weights` stores the large weight tensors as float16 (half the file size); onnxruntime
     casts them back to float32 once when it loads the graph, so the speed is unchanged. The weights
@@ -66,7 +66,7 @@ def export_step(model, path, check: bool = True, batch: int = 2, n_check_steps: 
     if int8_weights:
         from .quantize import quantize_int8
 
-        _say("quantizing the dense weights to 8-bit blocks")
+        _say("quantizing the dense layers to 8 bits")
         general, live = quantize_int8(general), quantize_int8(live)
     proto = join_live_branch(general, live)
     weights = "int8" if int8_weights else "fp16" if fp16_weights else "fp32"

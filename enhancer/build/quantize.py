@@ -1,38 +1,127 @@
-"""8-bit weights for the step graph: onnxruntime's `MatMulNBits` (weight-only, blockwise symmetric).
+"""8-bit dense layers for the step graph.
 
 At batch 1 the step reads every weight once per 16 ms hop and does little arithmetic with it, so
-its time is the time to stream ~28 MB of float32 weights through the memory hierarchy. Storing the
-dense layers' weights as int8 (one float scale per block of 32) reads a quarter of that; with
-`accuracy_level` 4 onnxruntime multiplies them with int8-quantized activations (VNNI/AMX on x86).
+its time is the time to stream ~28 MB of float32 weights through the memory hierarchy; at a dozen
+streams and more, and in files (64 frames per call), the arithmetic counts. Two 8-bit forms, each
+where it is the faster one (measured on a Sapphire Rapids Xeon, onnxruntime 1.31, one thread):
 
-What is quantized: every dense layer with a constant weight (the pre-encoder convolutions, the
-projections, the ordinary blocks' attention and FFN, the inter-mechanism attention's and the
-output head's, and in the live body of the graph every TIM mechanism's layers) -- torch exports
-them as `Gemm`, rewritten here as `MatMul` (+ bias) for the quantizer. What is not: the DFT bases
-and the pitch filter's band and correlation matrices (they produce the audio or decide the
-pitch, so they keep float32 precision), the attention over the key/value rings
-(activations, not weights), and in the any-T body the grouped per-mechanism weights of TIM blocks
-(3-D batched matmuls, which `MatMulNBits` does not take). `export_step` quantizes each body
-before joining them (`enhancer.build.graph_switch`).
+- layers of at least `ROW_INT8_MIN_WEIGHTS` weights (the pre-encoder's later convolutions, the
+  ordinary blocks' attention and FFN, the inter-mechanism layers): `MatMulInteger`, int8 weights
+  with one scale per output column, against the input quantized row by row as the step runs: each
+  row x gets the scale s = max|x| / 127 (so no stream's or frame's row depends on another's) and
+  two uint8 codes, q1 = round(x / s) and q2 = round(254 (x / s - q1)), its rounding error at
+  1/254 of the step, stacked as 2M rows of one product; out comes (Y1 + Y2 / 254) s s_w. With one
+  code the pre-encoder's later layers, whose inputs (after a LeakyReLU) hold their largest values
+  in a few channels, came 4-10 dB further from their float products on speech; with the second,
+  as close as their 8-bit weights allow. onnxruntime's
+  8-bit GEMM (VNNI; AMX where the CPU has it) runs a 16-row product of the 3,072 x 512
+  pre-encoder layer in 0.05 ms, `MatMulNBits` in 0.46 ms.
+- the smaller ones (the TIM mechanisms' layers in the live body, the projections, the output
+  head) and the first dense layer (the pre-encoder's first convolution, which reads the
+  log-magnitude features; one scale per weight column loses the most there): `MatMulNBits`
+  (weight-only, one float scale per block of 32, `accuracy_level` 4), one node each.
+
+What stays float32: the DFT bases and the pitch filter's band and correlation matrices (they
+produce the audio or decide the pitch), the attention over the key/value rings (activations, not
+weights; `enhancer.build.ringquant`), and in the any-T body the grouped per-mechanism weights of
+TIM blocks (3-D batched matmuls). torch exports dense layers as `Gemm`, rewritten here as `MatMul`
+(+ bias) first. `export_step` quantizes each body before joining them (`enhancer.build.graph_switch`).
 """
 from __future__ import annotations
 
 import numpy as np
 
 BLOCK_SIZE = 32
-ACCURACY_LEVEL = 4  # int8 activations x int8 weights (level 0 computes in float32, slower)
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations x int8 weights (level 0 computes in float32, slower)
+ROW_INT8_MIN_WEIGHTS = 90_000  # dense layers with at least this many weights run on MatMulInteger
 KEEP_FLOAT = ("fwd_basis", "inv_basis", "pitch_member", "pitch_interp", "pitch_corr_fwd", "pitch_corr_inv")
 MIN_PARITY_SNR_DB = 30.0  # export check: output energy over (int8 graph - torch) energy, random audio
 
 
-def quantize_int8(proto, block_size: int = BLOCK_SIZE):
-    """A copy of step graph `proto` with its dense weights as 8-bit `MatMulNBits` (bias folded in)."""
-    import logging
-
+def quantize_int8(proto, row_min_weights: int = ROW_INT8_MIN_WEIGHTS, keep_first: bool = True):
+    """A copy of step graph `proto` with its dense layers in 8 bits: those of at least
+    `row_min_weights` weights on `MatMulInteger` with row-quantized inputs (an input that feeds
+    several of them is quantized once), the others as `MatMulNBits` (bias folded in)."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     proto = _gemm_to_matmul(onnx.ModelProto.FromString(proto.SerializeToString()))
+    n_rows = _row_int8(proto, row_min_weights, keep_first)
+    out = _nbits(proto)
+    if n_rows + sum(node.op_type == "MatMulNBits" for node in out.graph.node) == 0:
+        raise ValueError("the graph has no dense layer with a constant weight to quantize")
+    return out
+
+
+def _row_int8(proto, min_weights: int, keep_first: bool) -> int:
+    """Rewrite, in place, the dense layers of `proto` with at least `min_weights` constant weights
+    (but the first, with `keep_first`) as `MatMulInteger` on row-quantized inputs; returns how many."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = proto.graph
+    inits = {i.name: i for i in g.initializer}
+    consts = [numpy_helper.from_array(np.asarray(v, dtype=t), n) for n, v, t in (
+        ("q8/inv127", 1.0 / 127.0, np.float32), ("q8/tiny", 1e-30, np.float32), ("q8/one", 1.0, np.float32),
+        ("q8/zp128", 128, np.uint8), ("q8/inv254", 1.0 / 254.0, np.float32))]
+    quantized: dict[str, tuple[str, str]] = {}  # input -> (its uint8 rows, their scales)
+    nodes, n_layers, first = [], 0, keep_first
+    for n in g.node:
+        w_name = n.input[1] if n.op_type == "MatMul" and len(n.input) == 2 else None
+        w = inits.get(w_name) if w_name else None
+        dense = w is not None and len(w.dims) == 2 and w.data_type == TensorProto.FLOAT and w_name not in KEEP_FLOAT
+        if not dense or first or w.dims[0] * w.dims[1] < min_weights:
+            first = first and not dense  # the first dense layer (it reads the features) stays on blocks
+            nodes.append(n)
+            continue
+        x = n.input[0]
+        if x not in quantized:
+            t = f"q8/{len(quantized)}/"
+            nodes += [
+                helper.make_node("Abs", [x], [t + "abs"], name=t + "abs"),
+                helper.make_node("ReduceMax", [t + "abs"], [t + "max"], axes=[-1], keepdims=1, name=t + "max"),
+                helper.make_node("Mul", [t + "max", "q8/inv127"], [t + "s0"], name=t + "s0"),
+                helper.make_node("Max", [t + "s0", "q8/tiny"], [t + "scale"], name=t + "scale"),
+                helper.make_node("Div", [x, t + "scale"], [t + "x"], name=t + "x"),
+                helper.make_node("QuantizeLinear", [t + "x", "q8/one", "q8/zp128"], [t + "q1"], name=t + "q1"),
+                # the rounding error, in [-0.5, 0.5] of the first code, quantized again: rows M..2M
+                helper.make_node("DequantizeLinear", [t + "q1", "q8/one", "q8/zp128"], [t + "d1"], name=t + "d1"),
+                helper.make_node("Sub", [t + "x", t + "d1"], [t + "r"], name=t + "r"),
+                helper.make_node("QuantizeLinear", [t + "r", "q8/inv254", "q8/zp128"], [t + "q2"], name=t + "q2"),
+                helper.make_node("Concat", [t + "q1", t + "q2"], [t + "u8"], axis=-2, name=t + "u8"),
+            ]
+            quantized[x] = (t + "u8", t + "scale")
+        xq, sx = quantized[x]
+        wf = numpy_helper.to_array(w).astype(np.float64)
+        amax = np.abs(wf).max(axis=0)
+        sw = np.where(amax > 0, amax / 127.0, 1.0)
+        wq = np.clip(np.round(wf / sw), -127, 127).astype(np.int8)
+        t = n.name + "__q8/"
+        consts += [numpy_helper.from_array(wq, w_name + "__i8"),
+                   numpy_helper.from_array(sw.astype(np.float32), w_name + "__i8_scale")]
+        nodes += [
+            helper.make_node("MatMulInteger", [xq, w_name + "__i8", "q8/zp128"], [t + "i32"], name=t + "mm"),
+            helper.make_node("Cast", [t + "i32"], [t + "f2"], to=TensorProto.FLOAT, name=t + "f2"),
+            helper.make_node("Split", [t + "f2"], [t + "f1", t + "fr"], axis=-2, name=t + "split"),
+            helper.make_node("Mul", [t + "fr", "q8/inv254"], [t + "frs"], name=t + "frs"),
+            helper.make_node("Add", [t + "f1", t + "frs"], [t + "f"], name=t + "f"),
+            helper.make_node("Mul", [t + "f", w_name + "__i8_scale"], [t + "w"], name=t + "w"),
+            helper.make_node("Mul", [t + "w", sx], [n.output[0]], name=t + "x"),
+        ]
+        n_layers += 1
+    del g.node[:]
+    g.node.extend(nodes)
+    if n_layers:
+        g.initializer.extend(consts)
+    _drop_unused_initializers(proto)
+    return n_layers
+
+
+def _nbits(proto, block_size: int = BLOCK_SIZE):
+    """`proto` with its remaining float dense layers (constant 2-D weights, not `KEEP_FLOAT`) as
+    8-bit `MatMulNBits` (weight-only, blocks of `block_size`, bias folded in)."""
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
     keep = [n.name for n in proto.graph.node if n.op_type == "MatMul" and any(b in n.input for b in KEEP_FLOAT)]
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
                                           bits=8)
@@ -44,11 +133,7 @@ def quantize_int8(proto, block_size: int = BLOCK_SIZE):
         q.process()
     finally:
         quant_log.setLevel(level)
-    out = _fold_bias(q.model.model)
-    n = sum(node.op_type == "MatMulNBits" for node in out.graph.node)
-    if n == 0:
-        raise ValueError("the graph has no dense layer with a constant weight to quantize")
-    return out
+    return _fold_bias(q.model.model)
 
 
 def _gemm_to_matmul(proto):

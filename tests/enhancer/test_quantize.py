@@ -1,4 +1,4 @@
-"""8-bit weights (`enhancer export --int8`): what is quantized, how close the output stays, errors."""
+"""8-bit dense layers (`enhancer export --int8`): what is quantized and how, how close the output stays, errors."""
 import json
 
 import numpy as np
@@ -10,7 +10,7 @@ from onnx import numpy_helper
 import enhancer
 from enhancer.build.export import export_step
 from enhancer.build.graph_switch import all_nodes
-from enhancer.build.quantize import MIN_PARITY_SNR_DB, quantize_int8
+from enhancer.build.quantize import MIN_PARITY_SNR_DB, ROW_INT8_MIN_WEIGHTS, quantize_int8
 from enhancer.cli import main
 from enhancer.runtime import Enhancer
 from tests.conftest import speechlike
@@ -27,27 +27,87 @@ def int8_path(torch_model, tmp_path_factory):
     return path
 
 
-def test_dense_weights_become_int8_blocks_and_the_dft_stays_float(int8_path, model_path):
+def _row_int8_layers(nodes, inits):
+    return [n for n in nodes if n.op_type == "MatMulInteger" and n.input[1].endswith("__i8") and n.input[1] in inits]
+
+
+def test_dense_weights_become_8bit_and_the_dft_stays_float(int8_path, model_path):
     q, f = onnx.load(str(int8_path)), onnx.load(str(model_path))
     q_nodes, f_nodes = list(all_nodes(q.graph)), list(all_nodes(f.graph))  # both branches of the frames switch
     ops = [n.op_type for n in q_nodes]
-    # every Gemm (pre-encoder convolutions, projections, ordinary blocks, inter-mechanism attention, head)
-    n_gemm = sum(n.op_type == "Gemm" for n in f_nodes)
-    assert "Gemm" not in ops and ops.count("MatMulNBits") == n_gemm > 20
     inits = {i.name: numpy_helper.to_array(i) for i in q.graph.initializer}
+    # every Gemm (pre-encoder convolutions, projections, ordinary blocks, inter-mechanism attention, head):
+    # the large ones on MatMulInteger with row-quantized inputs, the others as MatMulNBits blocks
+    n_gemm = sum(n.op_type == "Gemm" for n in f_nodes)
+    rows, blocks = _row_int8_layers(q_nodes, inits), [n for n in q_nodes if n.op_type == "MatMulNBits"]
+    assert "Gemm" not in ops and len(rows) + len(blocks) == n_gemm > 20 and rows and blocks
+    for n in rows:
+        w = inits[n.input[1]]
+        assert w.dtype == np.int8 and w.size >= ROW_INT8_MIN_WEIGHTS and np.abs(w).max() == 127
+        assert inits[n.input[1] + "_scale"].shape == (w.shape[1],)
     assert inits["fwd_basis"].dtype == np.float32 and inits["inv_basis"].dtype == np.float32
-    mm_out = set()
-    for n in q_nodes:
-        if n.op_type == "MatMulNBits":
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-            assert attrs["bits"] == 8 and attrs["block_size"] == 32 and inits[n.input[1]].dtype == np.uint8
-            mm_out.add(n.output[0])
+    mm_out, large = set(), []
+    for n in blocks:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs["bits"] == 8 and attrs["block_size"] == 32 and inits[n.input[1]].dtype == np.uint8
+        if attrs["K"] * attrs["N"] >= ROW_INT8_MIN_WEIGHTS:
+            large.append(attrs["K"])
+        mm_out.add(n.output[0])
+    # of the large layers only the first of each body stays on blocks: the pre-encoder's first
+    # convolution, which reads the log-magnitude features of three frames
+    cfg = json.loads({p.key: p.value for p in q.metadata_props}["tim_enhancer.config"])
+    assert large == [cfg["kernel_size"] * (cfg["stft"]["n_fft"] // 2 + 1)] * 2
     # biases are folded into MatMulNBits: no Add of a constant follows one
     assert not [n for n in q_nodes if n.op_type == "Add" and set(n.input) & mm_out and set(n.input) & set(inits)]
-    assert sum(len(n.input) == 6 for n in q_nodes if n.op_type == "MatMulNBits") >= n_gemm // 2
+    assert sum(len(n.input) == 6 for n in blocks) >= len(blocks) // 2
     meta = {p.key: p.value for p in q.metadata_props}
     assert meta["tim_enhancer.weights"] == "int8"
     assert int8_path.stat().st_size < 0.7 * model_path.stat().st_size
+
+
+def _dense_graph(w, b):
+    from onnx import TensorProto, helper
+
+    k, n = w.shape
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", k])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])
+    graph = helper.make_graph([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="dense")], "g", [x], [y],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # what onnxruntime reads
+    return model
+
+
+def test_a_row_quantized_layer_computes_what_its_8bit_arithmetic_says(rng):
+    """One dense layer above the threshold: the graph's output equals the same 8-bit arithmetic done
+    in numpy (each row's own scale and two codes, per-column weight scales), and stays within the
+    8-bit weights' precision of the float product; a row's output does not depend on the other rows
+    (a loud stream beside it); the first dense layer of a graph stays on blocks unless asked."""
+    import onnxruntime as ort
+
+    k, n = 384, 256
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    b = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    q = quantize_int8(_dense_graph(w, b), keep_first=False)
+    assert [node.op_type for node in q.graph.node].count("MatMulInteger") == 1 and k * n >= ROW_INT8_MIN_WEIGHTS
+    sess = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = (rng.standard_normal((3, k)) * np.array([[1.0], [0.01], [300.0]])).astype(np.float32)
+    got = sess.run(None, {"x": x})[0]
+
+    sx = np.abs(x).max(1, keepdims=True) * np.float32(1.0 / 127.0)  # float32, as the graph computes it
+    xn = x / sx
+    q1 = np.round(xn)  # the first code, and the rounding error's, at 1/254 of its step
+    q2 = np.round((xn - q1) / np.float32(1.0 / 254.0))
+    assert np.abs(q1).max() == 127 and np.abs(q2).max() <= 127
+    sw = np.abs(w.astype(np.float64)).max(0) / 127.0  # the export's float64 weight scales
+    wq = np.round(w / sw)
+    expect = (q1 @ wq + (q2 @ wq) / 254.0) * sw.astype(np.float32) * sx + b
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5 * np.abs(expect).max(1, keepdims=True).max())
+    for row in range(3):  # each row within the 8-bit weights' precision of the float product, at its own level
+        assert snr_db(x[row] @ w + b, got[row]) > 40.0
+        alone = sess.run(None, {"x": x[row:row + 1]})[0][0]
+        np.testing.assert_array_equal(alone, got[row])
+    assert [node.op_type for node in quantize_int8(_dense_graph(w, b)).graph.node] == ["MatMulNBits"]
 
 
 def test_int8_runtime_stays_close_to_float32(int8_path, enhancer_rt):
