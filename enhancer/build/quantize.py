@@ -13,9 +13,9 @@ where it is the faster one (measured on a Sapphire Rapids Xeon, onnxruntime 1.31
   1/254 of the step, stacked as 2M rows of one product; out comes (Y1 + Y2 / 254) s s_w. With one
   code the pre-encoder's later layers, whose inputs (after a LeakyReLU) hold their largest values
   in a few channels, came 4-10 dB further from their float products on speech; with the second,
-  as close as their 8-bit weights allow. onnxruntime's
-  8-bit GEMM (VNNI; AMX where the CPU has it) runs a 16-row product of the 3,072 x 512
-  pre-encoder layer in 0.05 ms, `MatMulNBits` in 0.46 ms.
+  as close as their 8-bit weights allow. onnxruntime's 8-bit GEMM (VNNI; AMX where the CPU has
+  it) runs a 16-row product of the 3,072 x 512 pre-encoder layer in 0.05 ms, `MatMulNBits` in
+  0.46 ms.
 - the smaller ones (the TIM mechanisms' layers in the live body, the projections, the output
   head) and the first dense layer (the pre-encoder's first convolution, which reads the
   log-magnitude features; one scale per weight column loses the most there): `MatMulNBits`
