@@ -1,6 +1,6 @@
 """tim-enhancer: real-time speech enhancement with a causal Transformer with Independent Mechanisms.
 
-Inference (`Enhancer`, `StreamingEnhancer`) needs numpy, onnxruntime, soundfile and soxr only;
+Inference (`Enhancer`, `StreamingEnhancer`) needs numpy, onnxruntime and soundfile only;
 `build_model`, `save_checkpoint` and `load_checkpoint` import torch when called.
 """
 from .config import ModelConfig, STFTConfig

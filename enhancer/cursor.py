@@ -24,7 +24,8 @@ from .errors import AudioError
 from .fullband import DEFAULT_BAND, HighBand, check_band, uses_high_band
 from .level import DEFAULT_LEVEL, LevelGain, check_level
 from .pools import LanePoolProtocol
-from .signal import MAX_CHANNELS, StreamResampler, check_audio, check_rate
+from .resample import StreamResampler
+from .signal import MAX_CHANNELS, check_audio, check_rate
 
 
 def check_channels(channels, limit: int = MAX_CHANNELS) -> int:

@@ -46,7 +46,7 @@ import numpy as np
 from .config import ModelConfig
 from .errors import AudioError, StateError
 from .handoff import attrs_state, load_attrs
-from .signal import StreamResampler
+from .resample import StreamResampler
 from .upperhead import LOW_EDGES_HZ, UpperHead, features
 
 BANDS = ("full", "speech")

@@ -1,4 +1,4 @@
-"""Inference runtime: numpy + onnxruntime (+ soxr for resampling). Never imports torch.
+"""Inference runtime: numpy + onnxruntime. Never imports torch.
 
     enh = Enhancer.from_pretrained()                 # the shipped model in models/
     clean = enh.enhance(noisy, 48000)                # (n,) or (n, channels), same shape out

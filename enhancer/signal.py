@@ -18,7 +18,6 @@ MAX_RATE = 384000
 # Float audio is expected in about [-1, 1] (full scale). Finite samples far beyond it still break
 # the model: from about 1e17 its output overflows to NaN/Inf. The service uses the same bound.
 MAX_ABS_SAMPLE = 1e6
-REPLAY_SAMPLES = 4096  # input samples a rebuilt stream resampler replays per unit of its decimation (`StreamResampler`)
 MAX_CHANNELS = 64  # channels of one signal or stream (the service's max_channels is at most this)
 
 
@@ -127,97 +126,12 @@ def check_rate(sample_rate: int) -> int:
 
 
 def resample(x: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """High-quality resampling (libsoxr, VHQ) of (n,) or (n, channels) float32 audio."""
+    """(n,) or (n, channels) float32 audio at another rate, through the streams' filter
+    (`enhancer.resample`) in one call: n * to_rate / from_rate samples (rounded), aligned."""
     if from_rate == to_rate:
         return x
-    import soxr
+    from .resample import StreamResampler
 
-    return soxr.resample(x, from_rate, to_rate, quality="VHQ").astype(np.float32, copy=False)
-
-
-class StreamResampler:
-    """Chunked resampler for streams (libsoxr keeps its own state between chunks).
-
-    libsoxr's state cannot be read out, so a stream that moves to another process carries what
-    rebuilds it instead (`state`, `load_state`): the counts of samples in and out and the last input
-    samples. A new resampler fed that tail from a sample whose position is a whole number of the
-    rates' periods gives, after its filter's length, exactly the samples the old one would have given
-    (the filter sees the same input at the same phase); the samples it gives before them, or beyond
-    what the old one had given, are dropped or handed out first so that the output continues where
-    it stopped."""
-
-    def __init__(self, from_rate: int, to_rate: int, channels: int):
-        self.from_rate, self.to_rate, self.channels = from_rate, to_rate, channels
-        self.identity = from_rate == to_rate
-        self.n_in = self.n_out = 0  # samples taken and given since the start
-        if not self.identity:
-            self._rs = self._new()
-            self._period = from_rate // math.gcd(from_rate, to_rate)  # input samples per whole output sample
-            self._warm = REPLAY_SAMPLES * (1 + -(-from_rate // to_rate) // 2)  # the filter's reach, with margin
-            self.history = self._warm + self._period  # input samples kept for `state`
-            self._tail = np.zeros((2 * self.history, channels), np.float32)
-            self._tail_end = 0  # the kept input is _tail[max(_tail_end - history, 0):_tail_end]
-            self._skip = 0  # output samples to drop (a rebuilt resampler's before the old one's next)
-            self._early = np.zeros((0, channels), np.float32)  # output to give first (a rebuilt one's extra)
-
-    def _new(self):
-        import soxr
-
-        return soxr.ResampleStream(self.from_rate, self.to_rate, self.channels, dtype="float32", quality="VHQ")
-
-    def process(self, x: np.ndarray, last: bool = False) -> np.ndarray:
-        if self.identity:
-            self.n_in += len(x)
-            self.n_out += len(x)
-            return x
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        self._keep(x)
-        y = self._rs.resample_chunk(x, last=last)
-        if self._skip:
-            k = min(self._skip, len(y))
-            y, self._skip = y[k:], self._skip - k
-        if len(self._early):
-            y, self._early = np.concatenate([self._early, y]), self._early[:0]
-        self.n_in += len(x)
-        self.n_out += len(y)
-        return y
-
-    def _keep(self, x: np.ndarray) -> None:
-        n, h = len(x), self.history
-        if n >= h:
-            self._tail[:h], self._tail_end = x[n - h:], h
-            return
-        if self._tail_end + n > len(self._tail):  # move the last `h - n` kept samples to the front
-            keep = min(self._tail_end, h - n)
-            self._tail[:keep] = self._tail[self._tail_end - keep:self._tail_end]
-            self._tail_end = keep
-        self._tail[self._tail_end:self._tail_end + n] = x
-        self._tail_end += n
-
-    def state(self) -> dict:
-        """What rebuilds this resampler elsewhere (`load_state`): the counts and the kept input."""
-        if self.identity:
-            return {"n_in": self.n_in, "n_out": self.n_out}
-        k = min(self.n_in, self.history)
-        return {"n_in": self.n_in, "n_out": self.n_out, "tail": self._tail[self._tail_end - k:self._tail_end].copy()}
-
-    def load_state(self, state: dict) -> None:
-        """Continue where the resampler whose `state()` this is stopped (same rates and channels):
-        its next output samples are the ones that one would have given next."""
-        n_in, n_out = int(state["n_in"]), int(state["n_out"])
-        if not self.identity:
-            tail = np.ascontiguousarray(state["tail"], np.float32).reshape(-1, self.channels)
-            # replay from a whole number of periods before the end, as far back as the filter reaches
-            h = n_in if n_in <= self._warm else self._warm + (n_in - self._warm) % self._period
-            if h > len(tail):
-                raise ValueError(f"the resampler's state holds {len(tail)} input samples, {h} are needed")
-            first = n_in - h  # a multiple of the period (or 0): where its output starts is exact
-            self._rs, self._tail_end = self._new(), 0
-            replay = self._rs.resample_chunk(np.ascontiguousarray(tail[len(tail) - h:]))
-            self._keep(tail)
-            given = n_out - first * self.to_rate // self.from_rate  # of the replay's output: given already
-            if given < 0:
-                raise ValueError(f"the resampler's state gave {n_out} samples for {n_in}: not a state of this one")
-            self._skip = max(given - len(replay), 0)
-            self._early = replay[max(given, 0):]
-        self.n_in, self.n_out = n_in, n_out
+    a = np.asarray(x, np.float32)
+    y = StreamResampler(from_rate, to_rate, 1 if a.ndim == 1 else a.shape[1]).process(a, last=True)
+    return y[:, 0] if a.ndim == 1 else y

@@ -198,6 +198,24 @@ def test_the_runtime_imports_neither_torch_nor_onnx():
     assert found == []
 
 
+def test_the_runtime_imports_only_what_the_package_declares():
+    """The runtime's libraries are the core dependencies of pyproject.toml and onnxruntime (the
+    [cpu] or [gpu] extra), nothing the training extra brings (soxr, scipy): a client install and
+    the service image have all the runtime imports."""
+    import re
+    import sys
+
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].replace("-", "_").lower() for d in project["dependencies"]}
+    allowed = declared | {"onnxruntime", "enhancer"} | set(sys.stdlib_module_names)
+    used = {(name, lib.split(".")[0]) for name, path in runtime_modules().items() for _, lib, _ in library_imports(path)}
+    assert {"numpy", "onnxruntime", "soundfile"} <= {lib for _, lib in used}
+    assert sorted((name, lib) for name, lib in used if lib not in allowed) == []
+    assert "soxr" not in declared
+
+
 def test_the_runtime_reaches_the_build_only_lazily():
     """Only the command line and the package's own convenience functions reach `enhancer.build`,
     inside the functions that need it; the rest of the runtime never does."""

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOTS = ["numpy", "soundfile", "soxr", "tqdm", "onnxruntime", "fastapi", "uvicorn", "python-multipart",
+ROOTS = ["numpy", "soundfile", "tqdm", "onnxruntime", "fastapi", "uvicorn", "python-multipart",
          "prometheus-client", "websockets"]
 
 

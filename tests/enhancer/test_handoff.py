@@ -11,7 +11,7 @@ import pytest
 
 from enhancer import handoff
 from enhancer.errors import StateError
-from enhancer.signal import StreamResampler
+from enhancer.resample import StreamResampler
 from tests.conftest import speechlike
 from tests.enhancer.test_upperhead import random_weights
 from tests.tolerance import assert_close_to_peak
