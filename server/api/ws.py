@@ -43,7 +43,7 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from enhancer import handoff
-from enhancer.cursor import StepFrame, delay_at
+from enhancer.cursor import StepFrame, delay_at, latency_at
 from enhancer.errors import StateError
 from server.api.aio import timeout as _timeout
 from server.api.pcm import decode_pcm, encode_pcm
@@ -211,7 +211,7 @@ class StreamSession:
             "type": "ready", "sample_rate": job.sample_rate, "encoding": self.encoding, "channels": job.channels,
             "atten_lim_db": start.atten_lim_db, "metadata": start.metadata, "band": start.band,
             "level": start.level,
-            "latency_ms": cfg.algorithmic_latency_ms, "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
+            "latency_ms": latency_at(cfg, job.sample_rate), "hop_ms": 1000.0 * cfg.stft.hop / cfg.stft.sample_rate,
             "delay_samples": delay_at(cfg, job.sample_rate), "max_message_bytes": self.settings.max_message_bytes,
             "resumable": start.resumable,
         }

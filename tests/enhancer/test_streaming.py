@@ -103,6 +103,23 @@ def test_feed_returns_audio_as_it_becomes_ready(enhancer_rt):
     assert out.shape == (10 * hop,)
 
 
+@pytest.mark.parametrize("rate", [16000, 48000, 44100, 8000])
+def test_a_stream_holds_back_what_delay_at_says(enhancer_rt, rate):
+    """Fed a few samples at a time, a stream's output lags its input by `delay_at` (the model's
+    delay and the resamplers') at least, and by at most that, a hop and a chunk more."""
+    from enhancer.cursor import delay_at
+
+    s, given, held, chunk = enhancer_rt.stream(rate), 0, [], 7
+    x = np.zeros(rate, np.float32)
+    for i in range(0, len(x), chunk):
+        given += len(s.feed(x[i:i + chunk]))
+        held.append(min(i + chunk, len(x)) - given)
+    held = np.array(held[len(held) // 4:])
+    delay, hop = delay_at(enhancer_rt.config, rate), -(-256 * rate // 16000)
+    slack = 2 + -(-rate // 16000)  # each resampler's outputs fall on its own grid: a sample of 16 kHz
+    assert abs(held.min() - delay) <= slack and held.max() <= delay + hop + chunk + slack, (held.min(), held.max(), delay)
+
+
 def test_reset_makes_a_second_stream_identical_to_a_fresh_one(enhancer_rt):
     a = speechlike(9000, seed=1)
     b = speechlike(7000, seed=2)

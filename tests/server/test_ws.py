@@ -103,7 +103,9 @@ def test_round_trip_random_chunks_equals_offline(live, enhancer_rt, sr, channels
     y, texts, code = stream_through(live.ws_url, x, sr, encoding, random_chunks(len(x), rng))
     assert code == 1000
     assert texts[-1] == {"type": "end", "samples": len(x)}
-    assert texts[0]["delay_samples"] == round(768 * sr / 16000) and texts[0]["latency_ms"] == 64.0
+    # 48 ms of the model's delay (64 ms with its window) and 2 x 6.6875 ms of the resamplers' (13.375 at 8 kHz)
+    want = {48000: (2946, 77.375), 16000: (768, 64.0), 44100: (2707, 64 + 6.6875 + 295 / 44.1), 8000: (598, 90.75)}[sr]
+    assert texts[0]["delay_samples"] == want[0] and texts[0]["latency_ms"] == pytest.approx(want[1], rel=1e-9)
     ref = enhancer_rt.enhance(sent if channels > 1 else sent[:, 0], sr).reshape(sent.shape)
     assert y.shape == x.shape
     if encoding == "f32le":
