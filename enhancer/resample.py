@@ -127,12 +127,15 @@ class StreamResampler:
         end = max(end, self.n_out)
         x0 = self._start(self.n_out)
         data = np.concatenate([self._x, x.T], axis=1)  # input from x0 on
-        per_block = p.rows * p.per_out
-        b0, b1 = self.n_out // per_block, -(-end // per_block)  # the output blocks to compute
-        y = self._blocks(data, x0, b0, b1)[:, self.n_out - b0 * per_block:end - b0 * per_block]
+        if end > self.n_out:
+            per_block = p.rows * p.per_out
+            b0, b1 = self.n_out // per_block, -(-end // per_block)  # the output blocks to compute
+            y = self._blocks(data, x0, b0, b1)[:, self.n_out - b0 * per_block:end - b0 * per_block].T
+        else:
+            y = np.zeros((0, c), np.float32)
         self.n_in, self.n_out = n_in, end
         self._x = data[:, self._start(end) - x0:]
-        return np.ascontiguousarray(y.T)
+        return np.ascontiguousarray(y)
 
     def _blocks(self, data: np.ndarray, x0: int, b0: int, b1: int) -> np.ndarray:
         """Output blocks b0 .. b1 - 1 (channels, (b1 - b0) * rows * per_out); data[:, i] is input
