@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from enhancer.resample import delay_ms
 from server.stalls import freeze_startup_objects
 
 from . import REPO_ROOT
@@ -86,6 +87,13 @@ def load_audio(path: str | None, rate: int | None) -> tuple[np.ndarray, int]:
     if rate and rate != sr:
         x, sr = resample(x, sr, rate), rate
     return np.clip(np.round(x * 32768), -32768, 32767).astype("<i2"), sr
+
+
+def default_budget_ms(ready: dict, rate: int, chunk_ms: float) -> float:
+    """The late threshold: the stream's algorithmic latency at `rate` (the model's, from /readyz, and
+    the resamplers' to the model's rate and back), a chunk and 64 ms."""
+    model = int(ready.get("sample_rate", rate))
+    return ready["latency_ms"] + delay_ms(rate, model) + delay_ms(model, rate) + chunk_ms + 64.0
 
 
 def start_server(model: Path, streams: int, workers: int, threads: int, calibrate: bool = False):
@@ -251,7 +259,7 @@ def main(argv=None) -> int:
     p.add_argument("--file", help="audio to stream (default: the dev set's noisy files)")
     p.add_argument("--rate", type=int, help="resample the file to this rate before streaming")
     p.add_argument("--chunk-ms", type=float, default=20.0)
-    p.add_argument("--budget-ms", type=float, help="late threshold (default: latency + chunk + 64 ms)")
+    p.add_argument("--budget-ms", type=float, help="late threshold (default: the stream's latency at its rate + chunk + 64 ms)")
     p.add_argument("--overload", type=float, nargs="?", const=2.0, metavar="FACTOR",
                    help="offer FACTOR (default 2) x the server's measured capacity (--streams is ignored)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -269,7 +277,7 @@ def main(argv=None) -> int:
 
         ready = httpx.get(base + "/readyz", timeout=5).json()
         if args.budget_ms is None:
-            args.budget_ms = ready["latency_ms"] + args.chunk_ms + 64.0
+            args.budget_ms = default_budget_ms(ready, rate, args.chunk_ms)
         capacity = ready.get("capacity", {})
         if args.overload is not None:
             args.streams = max(1, math.ceil(args.overload * capacity["streams"]))

@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         import httpx
 
         base = url.replace("ws", "http", 1).rsplit("/v1/", 1)[0]
-        budget = args.budget_ms or httpx.get(base + "/readyz", timeout=5).json()["latency_ms"] + args.chunk_ms + 64.0
+        budget = args.budget_ms or loadtest.default_budget_ms(httpx.get(base + "/readyz", timeout=5).json(), rate, args.chunk_ms)
         args.budget_ms = budget
         loadtest.freeze_startup_objects()  # the load generator's full collections would look like late audio
         run = asyncio.run(soak(url, pid, audio, rate, args))

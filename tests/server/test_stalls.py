@@ -110,3 +110,13 @@ def test_metrics_expose_loop_lag_and_gc_pauses(http):
     time.sleep(0.3)
     assert lag_count() >= first + 3  # the monitor ticks every 50 ms while the server runs
     assert "# TYPE tim_gc_pause_seconds histogram" in http.get("/metrics").text
+
+
+def test_the_load_generators_budget_includes_the_streams_resampling():
+    """A 48 kHz stream waits 2 x 6.6875 ms of resampling more than a 16 kHz one: its late threshold
+    (the stream's latency, a chunk and 64 ms) moves with it."""
+    from tools.loadtest import default_budget_ms
+
+    ready = {"latency_ms": 64.0, "sample_rate": 16000}
+    assert default_budget_ms(ready, 16000, 20.0) == 148.0
+    assert default_budget_ms(ready, 48000, 20.0) == 161.375
