@@ -22,7 +22,7 @@ import numpy as np
 from .errors import StateError
 from .step_io import lane_shapes
 
-FORMAT = 1
+FORMAT = 2  # 2: the stream resamplers keep the input from the first sample their next output takes
 TAGS = {"a": "array", "i": "int", "f": "float", "b": "bool", "n": "none"}
 MAX_INT = 1 << 53
 MAX_ROWS = 1 << 26  # rows of one array, at most
