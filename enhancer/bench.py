@@ -94,6 +94,12 @@ def largest_realtime_batch(p99_ms, budget_ms: float, start: int = 1, limit: int 
     return good, seen
 
 
+def stage_steps(steps: int, share: int) -> int:
+    """Steps of a paced or search stage: a `share`-th of `steps`, at least 60; all of them below 60
+    (a quick, rough run)."""
+    return steps if steps < 60 else max(60, steps // share)
+
+
 def time_offline(enh: Enhancer, x: np.ndarray, frames: int) -> tuple[float, float]:
     """Real-time factor of one 16 kHz mono signal run through a stream in calls of `frames` hops:
     (wall clock, CPU time of this process)."""
@@ -149,11 +155,11 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
     for b in PACED_BATCHES:
         for enh, res in zip(enhs, results):
             bar.set_postfix_str(f"{b} stream(s) paced")
-            ms = time_steps(enh, b, max(60, steps // 2), pace_s=hop_ms / 1000.0, **pool)
+            ms = time_steps(enh, b, stage_steps(steps, 2), pace_s=hop_ms / 1000.0, **pool)
             bar.update()
             res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)),
                                  "p99_ms": float(np.percentile(ms, 99))})
-    search_steps = max(60, steps // 4)
+    search_steps = stage_steps(steps, 4)
     for enh, res in zip(enhs, results):
         bar.set_postfix_str("searching the largest real-time batch")
         ok = [s["batch"] for s in res["step"] if s["realtime"]]
@@ -274,7 +280,7 @@ def format_comparison(results: list[dict]) -> str:
 
 
 def main(enhs: Enhancer | list[Enhancer], as_json: bool = False, steps: int = 300, progress: bool = True,
-         batches=None, full_steps: bool = False, device_pool: bool = False) -> int:
+         batches=None, full_steps: bool = False, device_pool: bool = False, seconds: float = 20.0) -> int:
     """`enhancer bench`: one model, or several measured in the same run, interleaved (`run_many`),
     stepped in the pools `make_pool(..., full_steps=full_steps, device_pool=device_pool)` gives."""
     enhs = enhs if isinstance(enhs, list) else [enhs]
@@ -282,7 +288,7 @@ def main(enhs: Enhancer | list[Enhancer], as_json: bool = False, steps: int = 30
         names = ", ".join(str(e.engine.path) for e in enhs)
         print(f"timing the step graph of {names} on this machine ({enhs[0].provider}, one intra-op thread)",
               file=sys.stderr, flush=True)
-    results = run_many(enhs, steps=steps, batches=batches, progress=progress, full_steps=full_steps,
+    results = run_many(enhs, steps=steps, batches=batches, seconds=seconds, progress=progress, full_steps=full_steps,
                        device_pool=device_pool)
     if as_json:
         sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")

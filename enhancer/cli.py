@@ -213,8 +213,11 @@ def cmd_bench(a) -> int:
         reports = [report(e.engine, (a.batches or (16,))[0], a.steps) for e in enhs]
         print(json.dumps(reports, indent=2) if a.json else "\n\n".join(format_report(r) for r in reports))
         return 0
+    if not 0 < a.seconds <= 3600:
+        print(f"error: --seconds must be above 0 and at most 3600, got {a.seconds:g}", file=sys.stderr)
+        return 2
     return bench_main(enhs, as_json=a.json, steps=a.steps, batches=a.batches, full_steps=a.full_steps,
-                      device_pool=a.device_pool)
+                      device_pool=a.device_pool, seconds=a.seconds)
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -312,7 +315,10 @@ def build_parser(env=None) -> argparse.ArgumentParser:
                         "the models are measured in the same run, interleaved, and compared")
     b.add_argument("--preset", default=None, help="benchmark a preset with random weights (needs torch)")
     b.add_argument("--device", choices=DEVICES, default="auto", help="where to run the model (auto: the CPU here)")
-    b.add_argument("--steps", type=int, default=300, help="timed steps per batch size")
+    b.add_argument("--steps", type=int, default=300,
+                   help="timed steps per batch size (the paced and search stages: a half or a quarter of it, at "
+                        "least 60, or all of it below 60)")
+    b.add_argument("--seconds", type=float, default=20.0, help="audio of the offline stage, in seconds")
     b.add_argument("--batches", type=_batches, default=None, metavar="B,B,...",
                    help="batch sizes (streams per step) to time (default: 1,4,16,32,64 on the CPU, "
                         "1,16,64,256,1024 under CUDA)")

@@ -40,13 +40,16 @@ def test_info_reads_the_onnx_metadata(model_path, capsys):
 
 
 def test_bench_batches_are_chosen_and_checked(model_path, capsys):
-    assert main(["bench", "--model", str(model_path), "--steps", "4", "--batches", "2,3", "--json"]) == 0
+    assert main(["bench", "--model", str(model_path), "--steps", "4", "--batches", "2,3", "--seconds", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert [s["batch"] for s in res["step"]] == [2, 3] and res["device"] == "cpu" and "streams_per_gpu" not in res
     for bad in ("0,4", "two", ""):
         with pytest.raises(SystemExit):
             main(["bench", "--model", str(model_path), "--batches", bad])
         assert "--batches" in capsys.readouterr().err
+    for bad in ("0", "-1", "4000"):
+        assert main(["bench", "--model", str(model_path), "--seconds", bad]) == 2
+        assert "--seconds must be above 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fmt, subtype, rate, channels", [
@@ -109,7 +112,7 @@ def test_fp16_export_is_exact_and_half_the_size(tmp_path, torch_model, capsys):
 
 
 def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
-    assert main(["bench", "--model", str(model_path), "--steps", "8", "--json"]) == 0
+    assert main(["bench", "--model", str(model_path), "--steps", "8", "--seconds", "2", "--json"]) == 0
     captured = capsys.readouterr()
     res = json.loads(captured.out)
     assert "timing the step graph" in captured.err  # it says what it is doing (stderr; stdout stays JSON)
@@ -138,7 +141,8 @@ def test_bench_json_reports_every_batch_and_the_paced_steps(model_path, capsys):
 def test_bench_two_models_in_one_run_interleaved(model_path, capsys):
     """`--model A --model B`: both measured in the same run (JSON: one result per model, in order)
     and, as text, a comparison row per model."""
-    assert main(["bench", "--model", str(model_path), "--model", str(model_path), "--steps", "4", "--json"]) == 0
+    assert main(["bench", "--model", str(model_path), "--model", str(model_path), "--steps", "4", "--seconds", "1",
+                 "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert isinstance(res, list) and [r["model"] for r in res] == [str(model_path)] * 2
     for r in res:
