@@ -134,7 +134,7 @@ class StreamResampler:
         else:
             y = np.zeros((0, c), np.float32)
         self.n_in, self.n_out = n_in, end
-        self._x = data[:, self._start(end) - x0:]
+        self._x = data[:, self._start(end) - x0:].copy()  # not a view that keeps all of `data`
         return np.ascontiguousarray(y)
 
     def _blocks(self, data: np.ndarray, x0: int, b0: int, b1: int) -> np.ndarray:
