@@ -25,29 +25,63 @@ import numpy as np
 
 ATTEN_DB = 100.0  # stop-band attenuation
 PASS = 0.94  # the pass band's edge, a share of the lower rate's Nyquist frequency (the stop band starts at it)
+MAX_MATRIX = 1 << 22  # elements of a period's matrix, at most: rates without a short period are filtered directly
+TABLE_STEPS = 512  # the direct filter's table: points per input sample (linear interpolation between them)
 MIN_PERIOD = 32  # output samples per row of the product, at least
 BLOCK_S = 0.008  # output per matrix product (its rows), about
+
+
+def _sizes(from_rate: int, to_rate: int) -> tuple[int, int, int, int, float]:
+    """(L, M, delay D in output samples, the filter's centre at its rate, cutoff Hz) of the filter
+    from `from_rate` to `to_rate` = from_rate * L / M in lowest terms."""
+    g = math.gcd(from_rate, to_rate)
+    up, down = to_rate // g, from_rate // g
+    nyq = 0.5 * min(from_rate, to_rate)
+    width = nyq * (1.0 - PASS)  # transition band, Hz
+    # Kaiser's estimate of the length for ATTEN_DB over that transition, at the filter's rate from_rate * L
+    n = (ATTEN_DB - 7.95) / (2.285 * 2.0 * math.pi * width / (from_rate * up))
+    delay = max(1, math.ceil(n / (2 * down)))  # half length, in output samples (a whole number of them)
+    return up, down, delay, delay * down, nyq - 0.5 * width
+
+
+def _direct(from_rate: int, to_rate: int) -> bool:
+    """Whether the ratio's period is too long for one matrix per period (coprime rates such as 65537 Hz)."""
+    up, down, _, center, _ = _sizes(from_rate, to_rate)
+    taps = -(-(2 * center + 1) // up)
+    per_out = up * -(-MIN_PERIOD // up)
+    span = (per_out - 1) * down // up + taps + 1
+    return up * taps > MAX_MATRIX or span * per_out > MAX_MATRIX
+
+
+def _kaiser_sinc(u: np.ndarray, half: float, cutoff: float, rate: float) -> np.ndarray:
+    """The filter's taps at offsets u (in samples of `rate`) from its centre, half length `half`."""
+    beta = 0.1102 * (ATTEN_DB - 8.7)
+    x = np.clip(u / half, -1.0, 1.0)
+    w = np.where(np.abs(u) <= half, np.i0(beta * np.sqrt(1.0 - x * x)) / np.i0(beta), 0.0)
+    return (2.0 * cutoff / rate) * np.sinc(2.0 * cutoff * u / rate) * w
+
+
+@functools.lru_cache(maxsize=8)
+def _table(from_rate: int, to_rate: int) -> tuple[int, np.ndarray]:
+    """(K, table): the direct filter reaches K input samples either side of an output's time;
+    table[i] is its tap at i / TABLE_STEPS - K input samples from it (float32)."""
+    up, _, _, center, cutoff = _sizes(from_rate, to_rate)
+    half = center / up  # in input samples
+    k = math.ceil(half)
+    u = np.arange(-k * TABLE_STEPS, k * TABLE_STEPS + 2) / TABLE_STEPS
+    return k, _kaiser_sinc(u, half, cutoff, from_rate).astype(np.float32)
 
 
 @functools.lru_cache(maxsize=32)
 def _design(from_rate: int, to_rate: int) -> tuple[int, int, int, int, np.ndarray]:
     """(L, M, T, D, phases): to_rate = from_rate * L / M in lowest terms; T taps per phase; the
     delay D in output samples; phases (L, T) float64, phase p's taps oldest input first."""
-    g = math.gcd(from_rate, to_rate)
-    up, down = to_rate // g, from_rate // g
+    up, down, delay, center, cutoff = _sizes(from_rate, to_rate)
     hi = from_rate * up  # the filter's rate (the input with L - 1 zeros between samples)
-    nyq = 0.5 * min(from_rate, to_rate)
-    width = nyq * (1.0 - PASS)  # transition band, Hz
-    cutoff = nyq - 0.5 * width
-    # Kaiser's estimate of the length for ATTEN_DB over that transition, at the filter's rate
-    n = (ATTEN_DB - 7.95) / (2.285 * 2.0 * math.pi * width / hi)
-    delay = max(1, math.ceil(n / (2 * down)))  # half length, in output samples (a whole number of them)
-    center = delay * down  # the filter's centre, in samples at its rate
     taps = -(-(2 * center + 1) // up)  # per phase
     k = np.arange(2 * center + 1, dtype=np.float64) - center
     h = np.zeros(taps * up)
-    h[:2 * center + 1] = ((2.0 * cutoff / hi) * np.sinc(2.0 * cutoff * k / hi)
-                          * np.kaiser(2 * center + 1, 0.1102 * (ATTEN_DB - 8.7)) * up)
+    h[:2 * center + 1] = _kaiser_sinc(k, center, cutoff, hi) * up
     # output m (delay included) takes input floor(m M / L) - t with tap p + L t, p = m M mod L
     return up, down, taps, delay, np.ascontiguousarray(h.reshape(taps, up).T[:, ::-1])
 
@@ -84,7 +118,9 @@ def delay_ms(from_rate: int, to_rate: int) -> float:
     """What a sample waits in the resampler from `from_rate` to `to_rate` (0 for the same rate)."""
     if from_rate == to_rate:
         return 0.0
-    return 1000.0 * _design(from_rate, to_rate)[3] / to_rate
+    if _direct(from_rate, to_rate):
+        return 1000.0 * _table(from_rate, to_rate)[0] / from_rate
+    return 1000.0 * _sizes(from_rate, to_rate)[2] / to_rate
 
 
 def output_length(n_in: int, from_rate: int, to_rate: int) -> int:
@@ -104,30 +140,47 @@ class StreamResampler:
         self.identity = from_rate == to_rate
         self.n_in = self.n_out = 0  # samples taken and given since the start
         if not self.identity:
-            self._plan = _plan(from_rate, to_rate)
+            self._direct = _direct(from_rate, to_rate)
+            if self._direct:
+                self._reach, self._table = _table(from_rate, to_rate)
+            else:
+                self._plan = _plan(from_rate, to_rate)
             self._x = np.zeros((channels, self.n_in - self._start(0)), np.float32)  # input from `_start(n_out)` on
 
     def _start(self, n_out: int) -> int:
         """The first input sample the output from `n_out` on takes (the start of its period's window)."""
+        if self._direct:
+            return n_out * self.from_rate // self.to_rate - self._reach + 1
         p = self._plan
         return n_out // p.per_out * p.per_in + p.offset
+
+    def _ready(self, n_in: int) -> int:
+        """Output samples whose input is all among the first n_in input samples."""
+        if self._direct:
+            k = self._reach
+            return ((n_in - k) * self.to_rate - 1) // self.from_rate + 1 if n_in > k else 0
+        p = self._plan
+        return (n_in * p.per_out - 1) // p.per_in + 1 - p.delay if n_in else 0
 
     def process(self, x: np.ndarray, last: bool = False) -> np.ndarray:
         if self.identity:
             self.n_in += len(x)
             self.n_out += len(x)
             return x
-        p, c = self._plan, self.channels
+        c = self.channels
         x = np.asarray(x, np.float32).reshape(-1, c)
         n_in = self.n_in + len(x)
         if last:  # up to the rounded total; the input beyond its end is zeros
             end = output_length(n_in, self.from_rate, self.to_rate)
         else:  # every output sample whose last input sample is here
-            end = (n_in * p.per_out - 1) // p.per_in + 1 - p.delay if n_in else 0
+            end = self._ready(n_in)
         end = max(end, self.n_out)
         x0 = self._start(self.n_out)
         data = np.concatenate([self._x, x.T], axis=1)  # input from x0 on
-        if end > self.n_out:
+        if end > self.n_out and self._direct:
+            y = self._filter_direct(data, x0, self.n_out, end)
+        elif end > self.n_out:
+            p = self._plan
             per_block = p.rows * p.per_out
             b0, b1 = self.n_out // per_block, -(-end // per_block)  # the output blocks to compute
             y = self._blocks(data, x0, b0, b1)[:, self.n_out - b0 * per_block:end - b0 * per_block].T
@@ -136,6 +189,28 @@ class StreamResampler:
         self.n_in, self.n_out = n_in, end
         self._x = data[:, self._start(end) - x0:].copy()  # not a view that keeps all of `data`
         return np.ascontiguousarray(y)
+
+    def _filter_direct(self, data: np.ndarray, x0: int, start: int, end: int, batch: int = 1024) -> np.ndarray:
+        """Output samples start .. end - 1 (n, channels), each from its own taps (the table, linearly
+        interpolated at its time); data[:, i] is input sample x0 + i, zeros beyond it."""
+        k, steps, c = self._reach, TABLE_STEPS, data.shape[0]
+        need = (end - 1) * self.from_rate // self.to_rate + k + 1 - x0  # samples of data the last output takes
+        if need > data.shape[1]:
+            data = np.concatenate([data, np.zeros((c, need - data.shape[1]), np.float32)], axis=1)
+        out, j = [], np.arange(2 * k)
+        for a in range(start, end, batch):
+            n = np.arange(a, min(a + batch, end), dtype=np.int64) * self.from_rate
+            q, frac = n // self.to_rate, (n % self.to_rate) / self.to_rate
+            pos = (frac[:, None] + (2 * k - 1) - j) * steps  # (n, 2k): where each tap lies in the table
+            i = pos.astype(np.int64)
+            w = (pos - i).astype(np.float32)
+            taps = self._table[i] * (1 - w) + self._table[i + 1] * w
+            idx = (q - k + 1 - x0)[:, None] + j
+            y = np.empty((len(n), c), np.float32)
+            for ch in range(c):  # (n, 2k) products summed along their rows, the same for any channel count
+                y[:, ch] = (data[ch][idx] * taps).sum(-1)
+            out.append(y)
+        return np.concatenate(out)
 
     def _blocks(self, data: np.ndarray, x0: int, b0: int, b1: int) -> np.ndarray:
         """Output blocks b0 .. b1 - 1 (channels, (b1 - b0) * rows * per_out); data[:, i] is input
