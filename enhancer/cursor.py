@@ -24,7 +24,7 @@ from .errors import AudioError
 from .fullband import DEFAULT_BAND, HighBand, check_band, uses_high_band
 from .level import DEFAULT_LEVEL, LevelGain, check_level
 from .pools import LanePoolProtocol
-from .resample import StreamResampler, delay_ms
+from .resample import StreamResampler, round_trip_ms
 from .signal import MAX_CHANNELS, check_audio, check_rate
 
 
@@ -38,15 +38,14 @@ def check_channels(channels, limit: int = MAX_CHANNELS) -> int:
 def latency_at(config: ModelConfig, sample_rate: int) -> float:
     """A stream's algorithmic latency in ms at `sample_rate`: the model's (window and lookahead)
     and, at another rate than the model's, the resamplers' in and out (`enhancer.resample`)."""
-    model = config.stft.sample_rate
-    return config.algorithmic_latency_ms + delay_ms(sample_rate, model) + delay_ms(model, sample_rate)
+    return config.algorithmic_latency_ms + round_trip_ms(sample_rate, config.stft.sample_rate)
 
 
 def delay_at(config: ModelConfig, sample_rate: int) -> int:
     """Input samples at `sample_rate` a stream takes beyond an output sample before it can give it:
     the model's delay and the resamplers' (the output is aligned: `StreamCursor.pull` removes it)."""
     model = config.stft.sample_rate
-    ms = 1000.0 * config.delay_samples / model + delay_ms(sample_rate, model) + delay_ms(model, sample_rate)
+    ms = 1000.0 * config.delay_samples / model + round_trip_ms(sample_rate, model)
     return round(ms * sample_rate / 1000.0)
 
 

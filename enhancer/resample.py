@@ -72,7 +72,6 @@ def _table(from_rate: int, to_rate: int) -> tuple[int, np.ndarray]:
     return k, _kaiser_sinc(u, half, cutoff, from_rate).astype(np.float32)
 
 
-@functools.lru_cache(maxsize=32)
 def _design(from_rate: int, to_rate: int) -> tuple[int, int, int, int, np.ndarray]:
     """(L, M, T, D, phases): to_rate = from_rate * L / M in lowest terms; T taps per phase; the
     delay D in output samples; phases (L, T) float64, phase p's taps oldest input first."""
@@ -121,6 +120,11 @@ def delay_ms(from_rate: int, to_rate: int) -> float:
     if _direct(from_rate, to_rate):
         return 1000.0 * _table(from_rate, to_rate)[0] / from_rate
     return 1000.0 * _sizes(from_rate, to_rate)[2] / to_rate
+
+
+def round_trip_ms(rate: int, model_rate: int) -> float:
+    """What a stream at `rate` waits in the resamplers to `model_rate` and back (0 at the same rate)."""
+    return delay_ms(rate, model_rate) + delay_ms(model_rate, rate)
 
 
 def output_length(n_in: int, from_rate: int, to_rate: int) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 
 from .config import STFTConfig
 from .errors import AudioError
+from .resample import StreamResampler
 
 MIN_RATE = 1000
 MAX_RATE = 384000
@@ -130,8 +131,6 @@ def resample(x: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     (`enhancer.resample`) in one call: n * to_rate / from_rate samples (rounded), aligned."""
     if from_rate == to_rate:
         return x
-    from .resample import StreamResampler
-
     a = np.asarray(x, np.float32)
     y = StreamResampler(from_rate, to_rate, 1 if a.ndim == 1 else a.shape[1]).process(a, last=True)
     return y[:, 0] if a.ndim == 1 else y

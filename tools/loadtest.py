@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from enhancer.resample import delay_ms
+from enhancer.resample import round_trip_ms
 from server.stalls import freeze_startup_objects
 
 from . import REPO_ROOT
@@ -92,8 +92,7 @@ def load_audio(path: str | None, rate: int | None) -> tuple[np.ndarray, int]:
 def default_budget_ms(ready: dict, rate: int, chunk_ms: float) -> float:
     """The late threshold: the stream's algorithmic latency at `rate` (the model's, from /readyz, and
     the resamplers' to the model's rate and back), a chunk and 64 ms."""
-    model = int(ready.get("sample_rate", rate))
-    return ready["latency_ms"] + delay_ms(rate, model) + delay_ms(model, rate) + chunk_ms + 64.0
+    return ready["latency_ms"] + round_trip_ms(rate, int(ready.get("sample_rate", rate))) + chunk_ms + 64.0
 
 
 def start_server(model: Path, streams: int, workers: int, threads: int, calibrate: bool = False):
