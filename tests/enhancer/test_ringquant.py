@@ -199,3 +199,27 @@ def test_an_ordinary_transformer_exports_with_8_bit_rings(tmp_path):
     report = export_step(enhancer.build_model(cfg).eval(), tmp_path / "b.onnx", ring_calibration=calibration_audio()[:1])
     assert report["rings"] == "int8" and report["parity_snr_db"] >= MIN_PARITY_SNR_DB
     assert Engine(tmp_path / "b.onnx").int8_rings
+
+
+def test_ring_scores_grouped_by_heads_are_exact(model_path, rings_path, tmp_path):
+    """The live step's key-ring scores, one 8-bit product per head, per group of heads or per stream
+    (block-diagonal queries), are the same integers: the outputs agree bit for bit, rings wrapping."""
+    scales, _ = graph_ring_scales(rings_path)
+    outs, meta = {}, onnx.load(str(rings_path), load_external_data=False).metadata_props
+    for heads in (1, 4, 16):
+        path = tmp_path / f"g{heads}.onnx"
+        m = quantize_rings(onnx.load(str(model_path)), scales, heads_per_product=heads)
+        del m.metadata_props[:]
+        m.metadata_props.extend(meta)  # the 8-bit rings' metadata (`export_step` writes it)
+        onnx.save(m, str(path))
+        live = next(a.g for a in next(n for n in onnx.load(str(path)).graph.node if n.name == SWITCH).attribute
+                    if a.name == "then_branch")
+        blocks = [n for n in live.node if n.name.endswith("/q_blocks")]
+        assert len(blocks) == (0 if heads == 1 else len(scales) // 2)
+        pool = LanePool(Engine(path), 3)
+        lanes = pool.alloc(3)
+        x = speechlike(3 * 256 * 40, seed=5).reshape(3, 40, 256)
+        outs[heads] = np.stack([pool.step(lanes, x[:, i], np.zeros(3, np.float32)).out for i in range(40)])
+    assert np.abs(outs[4]).max() > 0
+    np.testing.assert_array_equal(outs[1], outs[4])
+    np.testing.assert_array_equal(outs[16], outs[4])
