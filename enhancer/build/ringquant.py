@@ -15,8 +15,8 @@ The encoding, per layer and head, with scales calibrated on audio (`calibrate_ri
   `MatMulInteger` per stream and group of `HEADS_PER_PRODUCT` heads: the group's queries as the
   rows of a (G, G dh) block-diagonal matrix (the zero point off the blocks, so the product is
   exact) against its key rings as one (G dh, W) matrix. One product per head is mostly per-product
-  overhead; one per stream (all 16 heads) does 16 times the arithmetic; groups of 4 took 0.78 of
-  the time of either on an AMD EPYC Zen 4 (8 layers of 16 streams' scores). Value rings stay
+  overhead; one per stream (all 16 heads) does 16 times the arithmetic; groups of 4 took 0.76-0.78
+  of the time of either on an AMD EPYC Zen 4 (8 layers of 16 streams' scores). Value rings stay
   (B, H, W, dh), one product per head (grouped, the value side was slower).
   `step_io.write_rings(keys_transposed=True)` writes both layouts.
 - the live step's query: uint8 with zero point 128 and one scale per stream and head (its largest

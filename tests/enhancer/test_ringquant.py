@@ -212,8 +212,7 @@ def test_ring_scores_grouped_by_heads_are_exact(model_path, rings_path, tmp_path
         del m.metadata_props[:]
         m.metadata_props.extend(meta)  # the 8-bit rings' metadata (`export_step` writes it)
         onnx.save(m, str(path))
-        live = next(a.g for a in next(n for n in onnx.load(str(path)).graph.node if n.name == SWITCH).attribute
-                    if a.name == "then_branch")
+        live = next(a.g for a in next(n for n in m.graph.node if n.name == SWITCH).attribute if a.name == "then_branch")
         blocks = [n for n in live.node if n.name.endswith("/q_blocks")]
         assert len(blocks) == (0 if heads == 1 else len(scales) // 2)
         pool = LanePool(Engine(path), 3)
