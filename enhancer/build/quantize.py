@@ -34,7 +34,7 @@ import numpy as np
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations x int8 weights (level 0 computes in float32, slower)
 ROW_INT8_MIN_WEIGHTS = 90_000  # dense layers with at least this many weights run on MatMulInteger
-KEEP_FLOAT = ("fwd_basis", "inv_basis", "pitch_member", "pitch_interp", "pitch_corr_fwd", "pitch_corr_inv")
+KEEP_FLOAT = ("fwd_basis", "inv_basis", "pitch_member", "pitch_interp", "pitch_corr_c1", "pitch_corr_c4")
 MIN_PARITY_SNR_DB = 30.0  # export check: output energy over (int8 graph - torch) energy, random audio
 
 

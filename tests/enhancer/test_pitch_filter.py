@@ -72,6 +72,35 @@ def test_pitch_search_finds_the_period_and_matches_the_reference(f0):
         assert got_v > 0.6
 
 
+def test_correlations_match_the_direct_sums():
+    """The two-stage DFTs give each lag's correlation with the frame and windowed energy as summed directly."""
+    rng = np.random.default_rng(3)
+    win = window(CFG.stft).numpy().astype(np.float64)
+    n, lag_max = len(win), pf.LAG_MAX
+    hist = rng.standard_normal((2, 3, pf.HISTORY))
+    kernel = np.zeros_like(hist)
+    kernel[..., :n] = hist[..., lag_max:] * win * win
+    bases = (torch.from_numpy(a).double() for a in pf.correlation_bases(win))
+    corr, energy = (t.numpy() for t in pf.correlate(torch.from_numpy(hist), torch.from_numpy(kernel), *bases))
+    assert corr.shape == energy.shape == (2, 3, lag_max + 1)
+    past = np.stack([hist[..., lag_max - u: lag_max - u + n] for u in range(lag_max + 1)], axis=-2)  # (2, 3, lags, n)
+    want_corr = (past * kernel[..., None, :n]).sum(-1)
+    want_energy = (past ** 2 * win ** 2).sum(-1)
+    assert_close_to_peak(corr, want_corr, rel=1e-5)
+    assert_close_to_peak(energy, want_energy, rel=1e-5)
+
+
+@pytest.mark.parametrize(("n_frames", "extra"), [(1, 0), (1, 300), (3, 0), (3, 192), (64, 100), (64, 300)])
+def test_frames_are_the_signal_from_each_hop(n_frames, extra):
+    """frames_at cuts frame t from sample t * hop, whether the signal runs past the last frame or not."""
+    hop = CFG.stft.hop
+    length = (n_frames - 1) * hop + pf.HISTORY + extra
+    signal = torch.arange(2 * length, dtype=torch.float32).reshape(2, length)
+    got = pf.frames_at(signal, n_frames, hop).numpy()
+    want = np.stack([signal[:, t * hop: t * hop + pf.HISTORY].numpy() for t in range(n_frames)], axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
 def comb_reference(cfg, x, p, gain, voiced_):
     """The comb of one frame, band by band (x, p complex (F,), gain (F,))."""
     member, interp = pf.bands(cfg)
@@ -225,4 +254,4 @@ def test_8bit_export_keeps_the_filter_in_float(filtered, torch_model, tmp_path):
     count = lambda nodes: sum(n.op_type in ("MatMulNBits", "MatMulInteger") for n in nodes)  # noqa: E731
     assert count(with_filter) == count(without) > 0
     pitch_inputs = {i for n in with_filter for i in n.input if i.startswith("pitch_corr") or i.startswith("pitch_interp")}
-    assert {"pitch_corr_fwd", "pitch_corr_inv", "pitch_interp"} <= pitch_inputs
+    assert {"pitch_corr_c1", "pitch_corr_c4", "pitch_interp"} <= pitch_inputs

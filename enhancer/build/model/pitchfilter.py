@@ -64,59 +64,71 @@ def bands(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 CORR_FFT = LAG_MAX + N_FFT  # the correlation with the frame is a product of DFTs this long (>= the history)
+CORR_N1, CORR_N2 = 16, 52  # CORR_FFT = N1 * N2: the DFTs in two stages (Cooley-Tukey), 4.5x fewer products than one
+CORR_ROWS = -(-(LAG_MAX + 1) // CORR_N1)  # the lags 0..LAG_MAX come back as rows of N1 lags
 
 
-def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Real matrices for, over a history h of LAG_MAX + n samples (n = len(window)):
+def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Real matrices for two correlations over a history h of N = CORR_FFT samples, at lags u = 0..LAG_MAX:
+    sum_i h[LAG_MAX - u + i] k[i] with the frame's kernel k (the windowed frame, zero after n =
+    len(window) samples), and the windowed energies sum_i h[LAG_MAX - u + i]^2 window[i]^2 (the same
+    correlation of h^2 with window^2). Both are products of DFTs, computed in two stages (Cooley-Tukey,
+    sample n = n1 + N1 n2, bin k = k2 + N2 k1, lag u = u1 + N1 u2), every constant a right operand:
 
-    - the correlations sum_i h[s + i] k[i] at shifts s = 0..LAG_MAX with DFTs of CORR_FFT points:
-      `fwd` (LAG_MAX + n, 2K) [re | im] of h (and of a kernel zero-padded as long), `inv` (2K,
-      LAG_MAX + 1) from the product spectrum [re | im] back to the shifts;
-    - the windowed energies sum_i h[s + i]^2 window[i]^2 from running sums: window^2 is the Hann
-      window 0.5 - 0.5 cos(2 pi i / n), so with z = exp(2 pi j / n) the energy at shift s is
-      0.5 sum h^2 - 0.5 Re(z^-s sum_m h[m]^2 z^m) over the n samples from s; `phase` (4, LAG_MAX + n)
-      holds cos and sin of 2 pi m / n for every sample m (rows 0, 1) and of every shift (rows 2, 3,
-      the first LAG_MAX + 1 columns)."""
-    n, m = len(window), LAG_MAX + len(window)
-    k = CORR_FFT // 2 + 1
-    t = np.arange(m)[:, None]
-    ang = 2.0 * np.pi * t * np.arange(k)[None, :] / CORR_FFT
-    fwd = np.concatenate([np.cos(ang), -np.sin(ang)], axis=1)
-    a = np.full(k, 2.0)
-    a[0] = 1.0
-    if CORR_FFT % 2 == 0:
-        a[-1] = 1.0
-    s = np.arange(LAG_MAX + 1)[None, :]
-    ang_s = 2.0 * np.pi * np.arange(k)[:, None] * s / CORR_FFT
-    inv = np.concatenate([a[:, None] * np.cos(ang_s), -a[:, None] * np.sin(ang_s)], axis=0) / CORR_FFT
-    theta = 2.0 * np.pi * np.arange(m) / n
-    shift = np.where(np.arange(m) <= LAG_MAX, theta, 0.0)
-    phase = np.stack([np.cos(theta), np.sin(theta), np.cos(shift), np.sin(shift)])
-    return fwd.astype(np.float32), inv.astype(np.float32), phase.astype(np.float32)
+    - `c1` (N2, 2 N2): the N2-point DFTs over n2, columns [re | im] of k2;
+    - `m2` (N2, 2 N1, 2 N1): per k2, the twiddle exp(-2 pi j n1 k2 / N) and the N1-point DFT over n1,
+      [re | im] in and out;
+    - `m3` (N2, 2 N1, 2 N1): per k2, from the product spectrum P = H conj(K) over k1 to u1 (with the
+      shift by LAG_MAX that puts the lags in order); `m3e` the same from h^2's spectrum, times
+      conj(DFT(window^2)) first;
+    - `c4` (2 N2, CORR_ROWS): from [re | im] of k2 to u2, the real part."""
+    big, n1, n2 = CORR_FFT, CORR_N1, CORR_N2
+    i1, i2 = np.arange(n1), np.arange(n2)
+
+    def complex_matrix(angle):  # (..., a, b) angles -> (..., 2a, 2b): [re | im] rows in, [re | im] columns out
+        c, s = np.cos(angle), np.sin(angle)
+        return np.concatenate([np.concatenate([c, s], -1), np.concatenate([-s, c], -1)], -2)
+
+    a1 = -2.0 * np.pi * np.outer(i2, i2) / n2
+    c1 = np.concatenate([np.cos(a1), np.sin(a1)], axis=1)
+    m2 = complex_matrix(-2.0 * np.pi * (i1[None, :, None] * i2[:, None, None] / big + np.outer(i1, i1)[None] / n1))
+    k = i2[:, None, None] + n2 * i1[None, :, None]  # (N2, k1, 1): the bin
+    m3 = complex_matrix(2.0 * np.pi * (k * LAG_MAX / big - i1[None, None, :] * (i1[None, :, None] / n1 + i2[:, None, None] / big)))
+    w2 = np.fft.fft(np.asarray(window, np.float64) ** 2, big)[(i2[:, None] + n2 * i1[None, :])]  # (N2, k1)
+    cr, ci = w2.real[..., None], -w2.imag[..., None]  # conj(W2): times it, then m3
+    m3e = np.concatenate([cr * m3[:, :n1] + ci * m3[:, n1:], cr * m3[:, n1:] - ci * m3[:, :n1]], axis=1)
+    a4 = 2.0 * np.pi * np.outer(i2, np.arange(CORR_ROWS)) / n2
+    c4 = np.concatenate([np.cos(a4), np.sin(a4)]) / big
+    return tuple(a.astype(np.float32) for a in (c1, m2, m3, m3e, c4))
 
 
-def yin(history: torch.Tensor, window: torch.Tensor, fwd: torch.Tensor, inv: torch.Tensor,
-        phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def correlate(history: torch.Tensor, kernel: torch.Tensor, c1, m2, m3, m3e, c4) -> tuple[torch.Tensor, torch.Tensor]:
+    """history, kernel (..., CORR_FFT): the correlations of `correlation_bases` at lags 0..LAG_MAX,
+    (..., LAG_MAX + 1) each: of the history with the kernel, and the history's windowed energies."""
+    n1, n2 = CORR_N1, CORR_N2
+    # (every transpose swaps the last two axes or keeps the last one: onnxruntime's fast paths)
+    x = torch.stack([history, kernel, history * history], dim=-2).reshape(-1, n2, n1).transpose(1, 2)  # (rows, n1, n2)
+    a = (x.reshape(-1, n2) @ c1).reshape(-1, n1, 2 * n2).transpose(1, 2).reshape(-1, 2, n2, n1)  # (rows, re / im, k2, n1)
+    spec = (a.permute(2, 0, 1, 3).reshape(n2, -1, 2 * n1) @ m2).reshape(n2, -1, 3, 2 * n1)  # (N2, frames, row, [re | im] k1)
+    hr, hi, kr, ki = spec[:, :, 0, :n1], spec[:, :, 0, n1:], spec[:, :, 1, :n1], spec[:, :, 1, n1:]
+    q = torch.cat([torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1) @ m3, spec[:, :, 2] @ m3e], dim=1)
+    q = q.reshape(n2, -1, 2, n1).permute(1, 2, 0, 3).reshape(-1, 2 * n2, n1).transpose(1, 2)  # (2 frames, u1, [re | im] k2)
+    lags = (q.reshape(-1, 2 * n2) @ c4).reshape(-1, n1, CORR_ROWS).transpose(1, 2)  # (2 frames, u2, u1)
+    lags = lags.reshape(2, *history.shape[:-1], CORR_ROWS * n1)
+    return lags[0, ..., :LAG_MAX + 1], lags[1, ..., :LAG_MAX + 1]
+
+
+def yin(history: torch.Tensor, window: torch.Tensor, c1, m2, m3, m3e, c4) -> tuple[torch.Tensor, torch.Tensor]:
     """history (B, T, LAG_MAX + n_fft): for each frame, the samples of the window to analyse (the
-    last n_fft) and the LAG_MAX before them; `fwd`, `inv`, `phase`: `correlation_bases(window)`.
+    last n_fft) and the LAG_MAX before them; `c1`..`c4`: `correlation_bases(window)`.
     Returns the pitch lag (B, T) int64 in [LAG_MIN, LAG_MAX] and the normalised correlation (B, T)
     of the windowed frame with the windowed frame one lag earlier (the voicing)."""
-    n = window.shape[0]
     # the windowed frame times the window: sum_i h[s + i] w[i] * cur[i] w[i] is the correlation at shift s
     kernel = torch.nn.functional.pad(history[..., LAG_MAX:] * window * window, (0, LAG_MAX))
-    spec = torch.stack([history, kernel], dim=-2) @ fwd  # (B, T, 2, 2K): one pass over fwd
-    k = spec.shape[-1] // 2
-    hr, hi, kr, ki = spec[..., 0, :k], spec[..., 0, k:], spec[..., 1, :k], spec[..., 1, k:]
-    by_shift = torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1) @ inv  # (B, T, LAG_MAX + 1): lag LAG_MAX - s
-    # the windowed energies at every shift, from running sums of h^2 and h^2 z^m
-    h2 = history * history
-    sums = torch.cumsum(torch.nn.functional.pad(torch.stack([h2, h2 * phase[0], h2 * phase[1]], dim=-2), (1, 0)), -1)
-    win_sums = sums[..., n:] - sums[..., :LAG_MAX + 1]  # (B, T, 3, LAG_MAX + 1): over the n samples from s
-    cs, sn = phase[2, :LAG_MAX + 1], phase[3, :LAG_MAX + 1]
-    energy = 0.5 * win_sums[..., 0, :] - 0.5 * (cs * win_sums[..., 1, :] + sn * win_sums[..., 2, :])
-    corr = torch.flip(by_shift[..., :LAG_MAX], dims=[-1])  # lags 1..LAG_MAX
-    e_past = torch.flip(energy[..., :LAG_MAX], dims=[-1]).clamp(min=0.0)
-    e_cur = energy[..., LAG_MAX:].clamp(min=0.0)
+    by_lag, energy = correlate(history, kernel, c1, m2, m3, m3e, c4)  # (B, T, LAG_MAX + 1) each: lags 0..LAG_MAX
+    corr = by_lag[..., 1:]  # lags 1..LAG_MAX
+    e_past = energy[..., 1:].clamp(min=0.0)  # of the window one lag earlier
+    e_cur = energy[..., :1].clamp(min=0.0)
     diff = torch.clamp(e_cur + e_past - 2.0 * corr, min=0.0)
     lags = torch.arange(1, LAG_MAX + 1, device=history.device, dtype=history.dtype)
     cmnd = diff * lags / torch.clamp(torch.cumsum(diff, dim=-1), min=1e-12)  # YIN's normalised difference
@@ -166,7 +178,7 @@ HISTORY = LAG_MAX + N_FFT  # samples per frame the filter reads: the analysed wi
 CHUNK_FRAMES = 128  # frames per chunk offline
 
 
-CONSTANTS = ("window", "member", "interp", "corr_fwd", "corr_inv", "corr_phase")  # a step graph's copies (and `fwd`)
+CONSTANTS = ("window", "member", "interp", "corr_c1", "corr_m2", "corr_m3", "corr_m3e", "corr_c4")  # a step graph's copies (and `fwd`)
 
 
 class Constants:
@@ -180,8 +192,8 @@ class Constants:
         self.window = win
         self.fwd = torch.from_numpy(dft_bases(cfg.stft)[0]).to(device)
         self.member, self.interp = torch.from_numpy(member).to(device), torch.from_numpy(interp).to(device)
-        self.corr_fwd, self.corr_inv, self.corr_phase = (torch.from_numpy(a).to(device)
-                                                        for a in correlation_bases(win.cpu().numpy()))
+        bases = (torch.from_numpy(a).to(device) for a in correlation_bases(win.cpu().numpy()))
+        self.corr_c1, self.corr_m2, self.corr_m3, self.corr_m3e, self.corr_c4 = bases
 
 
 def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: torch.Tensor, plain_hist: torch.Tensor,
@@ -191,16 +203,22 @@ def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: tor
     (B, T, HISTORY): the enhanced output without the filter that ends where the frame's first hop of
     output does (the previous frame's window and the LAG_MAX samples before); k: the `Constants`
     (or a module holding them under the same names). Returns the filtered frames (B, T, 2F)."""
-    lag, voicing = yin(plain_hist, k.window, k.corr_fwd, k.corr_inv, k.corr_phase)
+    lag, voicing = yin(plain_hist, k.window, k.corr_c1, k.corr_m2, k.corr_m3, k.corr_m3e, k.corr_c4)
     voiced = (voicing > cfg.pitch_filter_voicing).to(x.dtype)
     p = lagged(noisy_hist, lag, cfg.stft.n_fft) @ k.fwd
     return comb(cfg, x, p, gain, voiced, k.member, k.interp)
 
 
 def frames_at(signal: torch.Tensor, n_frames: int, hop: int) -> torch.Tensor:
-    """(B, N) -> (B, n_frames, HISTORY): the HISTORY samples from t * hop, frame t."""
-    idx = torch.arange(n_frames, device=signal.device)[:, None] * hop + torch.arange(HISTORY, device=signal.device)
-    return signal[:, idx]
+    """(B, N) -> (B, n_frames, HISTORY): the HISTORY samples from t * hop, frame t (copies of whole
+    hops, not a gather of every sample)."""
+    if n_frames == 1:
+        return signal[:, None, :HISTORY]
+    per = -(-HISTORY // hop)  # hops a frame reaches into
+    short = (n_frames - 1 + per) * hop - signal.shape[1]  # (the same at any n_frames in the step graph)
+    signal = torch.nn.functional.pad(signal, (0, short)) if short > 0 else signal[:, :signal.shape[1] + short]
+    hops = signal.reshape(signal.shape[0], -1, hop)  # (B, n_frames - 1 + per, hop)
+    return torch.cat([hops[:, i:(i + 1 - per) or None] for i in range(per)], dim=-1)[..., :HISTORY]
 
 
 @torch.no_grad()

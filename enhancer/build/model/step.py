@@ -137,7 +137,7 @@ class StreamingStep(nn.Module):
     def _pitch_filter(self, hops, applied, gain, gain2, plain, noisy_tail, plain_tail, plain_ola):
         """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
         without it, whose overlap-add (tail `plain_ola`) is the output its pitch estimate reads."""
-        t, hop_n = hops.shape[1:]
+        t, hop_n = hops.shape[1], self.config.stft.hop
         noisy = torch.cat([noisy_tail, hops.flatten(1)], dim=1)  # (B, S_x + T*hop)
         out = torch.cat([plain_tail, _overlap_add(plain, plain_ola, hop_n).flatten(1)], dim=1)  # (B, S_y + T*hop)
         filtered = pitchfilter.apply(self.config, applied, gain, pitchfilter.frames_at(noisy, t, hop_n),
