@@ -66,32 +66,39 @@ def time_steps(enh: Enhancer, batch: int, steps: int, warmup: int = 20, seed: in
     return np.array(times[warmup:]) * 1000.0
 
 
+def realtime_batch_search(budget_ms: float, start: int = 1, limit: int = 1024):
+    """The search of `largest_realtime_batch` as a generator: it yields each batch to time, is sent
+    that batch's p99 step time in ms, and returns (batch, {batch: p99 ms of every batch timed}), so
+    that the searches of several models can take turns (`run_many`)."""
+    seen: dict[int, float] = {}
+    if start not in seen:
+        seen[start] = float((yield start))
+    good, bad = (start, None) if seen[start] <= budget_ms else (0, start)
+    while bad is None and good < limit:
+        b = min(2 * good, limit)
+        if b not in seen:
+            seen[b] = float((yield b))
+        good, bad = (b, None) if seen[b] <= budget_ms else (good, b)
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if mid not in seen:
+            seen[mid] = float((yield mid))
+        good, bad = (mid, bad) if seen[mid] <= budget_ms else (good, mid)
+    return good, seen
+
+
 def largest_realtime_batch(p99_ms, budget_ms: float, start: int = 1, limit: int = 1024) -> tuple[int, dict[int, float]]:
     """The largest batch b <= `limit` with `p99_ms(b) <= budget_ms` (0 if none), by doubling from
     `start` until a batch is over the budget, then bisecting between the last batch within it and
     the first over it (between 0 and `start` when `start` itself is over). The step time grows with
     the batch, so the first crossing is the answer. Returns (batch, {batch: p99 ms of every batch timed})."""
-    seen: dict[int, float] = {}
-
-    def fits(b: int) -> bool:
-        if b not in seen:
-            seen[b] = float(p99_ms(b))
-        return seen[b] <= budget_ms
-
-    good, bad = (start, None) if fits(start) else (0, start)
-    while bad is None and good < limit:
-        b = min(2 * good, limit)
-        if fits(b):
-            good = b
-        else:
-            bad = b
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, seen
+    search = realtime_batch_search(budget_ms, start, limit)
+    try:
+        b = next(search)
+        while True:
+            b = search.send(p99_ms(b))
+    except StopIteration as done:
+        return done.value
 
 
 def stage_steps(steps: int, share: int) -> int:
@@ -128,8 +135,8 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
              progress: bool = False, full_steps: bool = False, device_pool: bool = False) -> list[dict]:
     """The measurements of several models on this machine, interleaved: every stage (a batch size,
     the paced steps, each offline size) times each model in turn before the next stage, so that a
-    change in the machine's load between stages weighs on all of them alike. The searches of the
-    largest real-time batch run one model after the other. `progress`: a bar on stderr, one tick per
+    change in the machine's load between stages weighs on all of them alike; the searches of the
+    largest real-time batch take turns too, one batch of each model's search at a time. `progress`: a bar on stderr, one tick per
     stage. `full_steps`, `device_pool`: the step pools' switches (`make_pool`)."""
     from tqdm import tqdm
 
@@ -160,15 +167,23 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
             res["paced"].append({"batch": b, "p50_ms": float(np.percentile(ms, 50)),
                                  "p99_ms": float(np.percentile(ms, 99))})
     search_steps = stage_steps(steps, 4)
-    for enh, res in zip(enhs, results):
-        bar.set_postfix_str("searching the largest real-time batch")
+    bar.set_postfix_str("searching the largest real-time batch")
+    searches = {}  # model index -> (its search, the batch it asks for next); the models take turns
+    for i, res in enumerate(results):
         ok = [s["batch"] for s in res["step"] if s["realtime"]]
-        best_b, timed = largest_realtime_batch(
-            lambda b, e=enh: np.percentile(time_steps(e, b, search_steps, **pool), 99), hop_ms, start=max(ok) if ok else 1,
-            limit=SEARCH_LIMIT[res["device"]])
-        res["streams_per_core"] = best_b
-        res["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
-        bar.update()
+        search = realtime_batch_search(hop_ms, start=max(ok) if ok else 1, limit=SEARCH_LIMIT[res["device"]])
+        searches[i] = (search, next(search))
+    while searches:
+        for i in list(searches):
+            search, b = searches[i]
+            try:
+                searches[i] = (search, search.send(np.percentile(time_steps(enhs[i], b, search_steps, **pool), 99)))
+            except StopIteration as done:
+                best_b, timed = done.value
+                results[i]["streams_per_core"] = best_b
+                results[i]["search"] = [{"batch": b, "p99_ms": ms} for b, ms in sorted(timed.items())]
+                del searches[i]
+                bar.update()
     cores = usable_cores()
     for enh, res in zip(enhs, results):
         if res["streams_per_core"]:

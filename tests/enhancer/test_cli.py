@@ -169,6 +169,30 @@ def test_the_search_finds_the_largest_real_time_batch_exactly():
     assert largest_realtime_batch(lambda b: 1.0, 16.0, limit=100)[0] == 100
 
 
+def test_two_models_search_their_real_time_batch_in_turns(model_path, monkeypatch):
+    """`run_many` times one batch of each model's search at a time (a slower machine for a while
+    weighs on both), and each search still ends at its own model's largest real-time batch."""
+    from enhancer import bench
+
+    fast, slow = (Enhancer.from_pretrained(model_path, providers=["CPUExecutionProvider"]) for _ in range(2))
+    per_stream = {id(fast): 0.3, id(slow): 0.6}  # 2 ms + this per stream: 46 and 23 streams fit in 16 ms
+    order = []
+
+    def fake_time_steps(enh, batch, steps, pace_s=0.0, **pool):
+        order.append((id(enh), batch))
+        return np.full(steps, 2.0 + per_stream[id(enh)] * batch)
+
+    monkeypatch.setattr(bench, "time_steps", fake_time_steps)
+    res = bench.run_many([fast, slow], steps=60, batches=(1, 4), seconds=0.5)
+    assert [r["streams_per_core"] for r in res] == [46, 23]
+    searched = order[2 * 2 + 2 * len(bench.PACED_BATCHES):]  # after the batch sizes and the paced stages
+    whose = [m for m, _ in searched]
+    both = min(len(r["search"]) for r in res)  # probes each search made while the other still ran
+    assert both >= 3 and all(whose[k] != whose[k + 1] for k in range(2 * both - 1))  # alternating
+    for r, m in zip(res, (fast, slow), strict=True):
+        assert {s["batch"] for s in r["search"]} <= {b for mm, b in searched if mm == id(m)}
+
+
 def test_export_check_runs_lanes_at_different_positions_and_sees_a_mismatch(torch_model, model_path):
     from enhancer.build.export import compare_with_torch
     from enhancer.build.model import StreamingStep
