@@ -166,12 +166,16 @@ def _trace(step, batch: int, frames: int | None):
             axes[n] = {0: "batch", 1: "frames"}
         axes["kv_rows"] = {0: "batch", 2: "rows"}
     buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            step, args, buf, dynamo=False, opset_version=OPSET, input_names=names_in, output_names=names_out,
-            dynamic_axes={n: a for n, a in axes.items() if n in names_in + names_out}, do_constant_folding=True,
-        )
+    step.frames = frames  # a fixed T: the step's shapes at that T are constants of the graph
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                step, args, buf, dynamo=False, opset_version=OPSET, input_names=names_in, output_names=names_out,
+                dynamic_axes={n: a for n, a in axes.items() if n in names_in + names_out}, do_constant_folding=True,
+            )
+    finally:
+        step.frames = None
     return onnx.load_from_string(buf.getvalue())
 
 

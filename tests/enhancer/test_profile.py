@@ -61,3 +61,15 @@ def test_bench_profile_reports_nodes_and_kernel_time(model_path, capsys):
     assert main(["bench", "--model", str(model_path), "--profile", "--steps", "2", "--batches", "2"]) == 0
     text = capsys.readouterr().out
     assert "nodes (not constants)" in text and "live: batch 2" in text and "offline: batch 1" in text
+
+
+def test_the_shipped_live_step_computes_no_shapes():
+    """The live body (T = 1) is traced with the frame count fixed, so its reshapes, slices and
+    masks take constant shapes: no node of it reads a tensor's shape at run time (each would be a
+    kernel call per step), while the many-frame body still does (T varies)."""
+    from tests.golden_update import shipped_model
+
+    model = onnx.load(str(shipped_model()), load_external_data=False)
+    switch = next(n for n in model.graph.node if n.op_type == "If")
+    ops = {a.name: {n.op_type for n in a.g.node} for a in switch.attribute}
+    assert "Shape" not in ops["then_branch"] and "Shape" in ops["else_branch"]

@@ -34,7 +34,7 @@ def ring_bias(pos: torch.Tensor, window: int, t: int = 1) -> torch.Tensor:
     rows = torch.arange(t, device=pos.device)[None, :, None]  # (1, T, 1)
     p = pos[:, None, None]  # (B, 1, 1)
     valid = (slots < p) & (torch.remainder(slots - p, window) > rows)  # (B, T, W)
-    return torch.zeros(valid.shape, device=pos.device).masked_fill(~valid, float("-inf"))[:, None]
+    return torch.where(valid, 0.0, float("-inf"))[:, None]
 
 
 def chunk_bias(t: int, window: int, device=None) -> torch.Tensor:

@@ -102,9 +102,11 @@ def correlation_bases(window: np.ndarray) -> tuple[np.ndarray, ...]:
     return tuple(a.astype(np.float32) for a in (c1, m2, m3, m3e, c4))
 
 
-def correlate(history: torch.Tensor, kernel: torch.Tensor, c1, m2, m3, m3e, c4) -> tuple[torch.Tensor, torch.Tensor]:
+def correlate(history: torch.Tensor, kernel: torch.Tensor, c1, m2, m3, m3e, c4,
+              frames: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """history, kernel (..., CORR_FFT): the correlations of `correlation_bases` at lags 0..LAG_MAX,
-    (..., LAG_MAX + 1) each: of the history with the kernel, and the history's windowed energies."""
+    (..., LAG_MAX + 1) each: of the history with the kernel, and the history's windowed energies.
+    `frames`: T of a (B, T, CORR_FFT) history when it is fixed (the output's shape then a constant)."""
     n1, n2 = CORR_N1, CORR_N2
     # (every transpose swaps the last two axes or keeps the last one: onnxruntime's fast paths)
     x = torch.stack([history, kernel, history * history], dim=-2).reshape(-1, n2, n1).transpose(1, 2)  # (rows, n1, n2)
@@ -114,18 +116,19 @@ def correlate(history: torch.Tensor, kernel: torch.Tensor, c1, m2, m3, m3e, c4) 
     q = torch.cat([torch.cat([hr * kr + hi * ki, hi * kr - hr * ki], dim=-1) @ m3, spec[:, :, 2] @ m3e], dim=1)
     q = q.reshape(n2, -1, 2, n1).permute(1, 2, 0, 3).reshape(-1, 2 * n2, n1).transpose(1, 2)  # (2 frames, u1, [re | im] k2)
     lags = (q.reshape(-1, 2 * n2) @ c4).reshape(-1, n1, CORR_ROWS).transpose(1, 2)  # (2 frames, u2, u1)
-    lags = lags.reshape(2, *history.shape[:-1], CORR_ROWS * n1)
+    lags = lags.reshape(2, *((-1, frames) if frames else history.shape[:-1]), CORR_ROWS * n1)
     return lags[0, ..., :LAG_MAX + 1], lags[1, ..., :LAG_MAX + 1]
 
 
-def yin(history: torch.Tensor, window: torch.Tensor, c1, m2, m3, m3e, c4) -> tuple[torch.Tensor, torch.Tensor]:
+def yin(history: torch.Tensor, window: torch.Tensor, c1, m2, m3, m3e, c4,
+        frames: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """history (B, T, LAG_MAX + n_fft): for each frame, the samples of the window to analyse (the
-    last n_fft) and the LAG_MAX before them; `c1`..`c4`: `correlation_bases(window)`.
+    last n_fft) and the LAG_MAX before them; `c1`..`c4`: `correlation_bases(window)`; `frames`: T if fixed.
     Returns the pitch lag (B, T) int64 in [LAG_MIN, LAG_MAX] and the normalised correlation (B, T)
     of the windowed frame with the windowed frame one lag earlier (the voicing)."""
     # the windowed frame times the window: sum_i h[s + i] w[i] * cur[i] w[i] is the correlation at shift s
     kernel = torch.nn.functional.pad(history[..., LAG_MAX:] * window * window, (0, LAG_MAX))
-    by_lag, energy = correlate(history, kernel, c1, m2, m3, m3e, c4)  # (B, T, LAG_MAX + 1) each: lags 0..LAG_MAX
+    by_lag, energy = correlate(history, kernel, c1, m2, m3, m3e, c4, frames)  # (B, T, LAG_MAX + 1) each: lags 0..LAG_MAX
     corr = by_lag[..., 1:]  # lags 1..LAG_MAX
     e_past = energy[..., 1:].clamp(min=0.0)  # of the window one lag earlier
     e_cur = energy[..., :1].clamp(min=0.0)
@@ -133,7 +136,7 @@ def yin(history: torch.Tensor, window: torch.Tensor, c1, m2, m3, m3e, c4) -> tup
     lags = torch.arange(1, LAG_MAX + 1, device=history.device, dtype=history.dtype)
     cmnd = diff * lags / torch.clamp(torch.cumsum(diff, dim=-1), min=1e-12)  # YIN's normalised difference
     sub = cmnd[..., LAG_MIN - 1:]  # lags LAG_MIN..LAG_MAX
-    idx = torch.arange(sub.shape[-1], device=history.device)
+    idx = torch.arange(LAG_MAX - LAG_MIN + 1, device=history.device)
     below = (sub < YIN_THRESHOLD).to(history.dtype)
     first = torch.argmax(below, dim=-1, keepdim=True)  # the first lag below the threshold (0 if none)
     # from there, down to the local minimum: the first lag not followed by a lower one
@@ -197,13 +200,13 @@ class Constants:
 
 
 def apply(cfg: ModelConfig, x: torch.Tensor, gain: torch.Tensor, noisy_hist: torch.Tensor, plain_hist: torch.Tensor,
-          k) -> torch.Tensor:
+          k, frames: int | None = None) -> torch.Tensor:
     """x (B, T, 2F) [re | im]: the noisy frames the gains (B, T, F) apply to; noisy_hist (B, T,
     HISTORY): per frame, the noisy input of its window and the LAG_MAX samples before; plain_hist
     (B, T, HISTORY): the enhanced output without the filter that ends where the frame's first hop of
     output does (the previous frame's window and the LAG_MAX samples before); k: the `Constants`
-    (or a module holding them under the same names). Returns the filtered frames (B, T, 2F)."""
-    lag, voicing = yin(plain_hist, k.window, k.corr_c1, k.corr_m2, k.corr_m3, k.corr_m3e, k.corr_c4)
+    (or a module holding them under the same names); frames: T when fixed. Returns the filtered frames (B, T, 2F)."""
+    lag, voicing = yin(plain_hist, k.window, k.corr_c1, k.corr_m2, k.corr_m3, k.corr_m3e, k.corr_c4, frames)
     voiced = (voicing > cfg.pitch_filter_voicing).to(x.dtype)
     p = lagged(noisy_hist, lag, cfg.stft.n_fft) @ k.fwd
     return comb(cfg, x, p, gain, voiced, k.member, k.interp)

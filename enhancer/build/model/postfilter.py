@@ -38,16 +38,18 @@ def decay(cfg: ModelConfig) -> float:
 
 
 def rise_limit(cfg: ModelConfig, gains: torch.Tensor, power: torch.Tensor, prev_gain: torch.Tensor,
-               energy: torch.Tensor, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               energy: torch.Tensor, first: torch.Tensor | None = None,
+               frames: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gains (B, T, F): the network's gains; power (B, T, F): |X|^2 of the frames they apply to;
     prev_gain (B, F): the network's gains of the frame before the first (0 for a fresh stream);
     energy (B, 2): the running [kept, removed] energies before the first frame (0 when fresh);
     first (B,) int: the stream's index of the first frame, where the call may start before the
     stream does (the step graph's first `lookahead` gains apply to silence before it): the frame 0
-    of a stream is compared with 0, as in the offline reference, not with such a gain.
+    of a stream is compared with 0, as in the offline reference, not with such a gain; `frames`: T
+    when it is fixed (a graph traced at one T: its shapes are then constants).
 
     Returns the limited gains (B, T, F) and the new (prev_gain, energy)."""
-    t = gains.shape[1]
+    t = frames or gains.shape[1]
     a = decay(cfg)
     kept = (gains * gains * power).sum(-1)  # (B, T)
     removed = torch.clamp(power.sum(-1) - kept, min=0.0)

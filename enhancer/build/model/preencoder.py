@@ -33,7 +33,7 @@ class ConvLayer(nn.Module):
         k = self.kernel
         win = torch.cat([tail, x], dim=1)  # (B, K-1+T, C_in)
         if x.shape[1] == 1:  # one frame: its K views are the window itself
-            cols = win.reshape(win.shape[0], 1, -1)  # (B, 1, K*C_in)
+            cols = win.reshape(-1, 1, k * self.conv.in_channels)  # (B, 1, K*C_in)
         else:
             cols = torch.cat([win[:, i:i - (k - 1) or None] for i in range(k)], dim=-1) if k > 1 else win  # (B, T, K*C_in)
         w = self.conv.weight.permute(0, 2, 1).reshape(self.conv.out_channels, -1)  # (C_out, K*C_in)
@@ -54,10 +54,11 @@ class PreEncoder(nn.Module):
 
     def step(self, x: torch.Tensor, tails: list[torch.Tensor]):
         """x: (B, T, C_in), one tail per layer -> (B*T, C_out), new tails."""
-        new = []
+        new, frames = [], x.shape[1]
         for i, (layer, tail) in enumerate(zip(self.layers, tails)):
-            if i:
-                x = x.reshape(tail.shape[0], -1, x.shape[-1])  # (B, T, C)
+            if i:  # (B, T, C): at one frame a constant shape
+                c = layer.conv.in_channels
+                x = x.reshape(-1, 1, c) if frames == 1 else x.reshape(tail.shape[0], -1, c)
             x, t = layer.step(x, tail)
             new.append(t)
         return x, new

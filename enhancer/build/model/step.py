@@ -67,6 +67,8 @@ class StreamingStep(nn.Module):
         self.n_conv = len(cfg.conv_channels)
         self.with_comp = has_competition(cfg)
         self.f = f
+        self.n_s = next((b.g for b in net.blocks if b.competition is not None), 0)  # competing mechanisms
+        self.frames: int | None = None  # T while traced at a fixed T (the live body): its shapes are constants
         if cfg.pitch_filter > 0:  # the pitch filter's constants, under the names `pitchfilter.apply` reads
             k = pitchfilter.Constants(cfg)
             for name in pitchfilter.CONSTANTS:
@@ -81,7 +83,7 @@ class StreamingStep(nn.Module):
         rings = caches[n_state:]
         ks, vs = rings[: cfg.n_layers], rings[cfg.n_layers:]
         hop_n = cfg.stft.hop
-        t = hops.shape[1]
+        t = self.frames or hops.shape[1]
 
         x = torch.cat([prev_hop[:, None], hops], dim=1)  # (B, T+1, hop)
         frames = x.reshape(-1, 1, 2 * hop_n) if t == 1 else torch.cat([x[:, :-1], x[:, 1:]], dim=-1)  # (B, T, n_fft)
@@ -99,12 +101,12 @@ class StreamingStep(nn.Module):
             v_rows.append(v_row)
             if c is not None:
                 comps.append(c)
-        net_gain = torch.sigmoid(net.head(x)).reshape(hops.shape[0], t, f)  # (B, T, F): the network's gains
+        net_gain = torch.sigmoid(net.head(x)).reshape(-1, t, f)  # (B, T, F): the network's gains
         out, activity, spec_next, ola_next, post = self.post(hops, min_gain, pos, spec, spec_delay, ola, post, net_gain)
         kv_rows = torch.cat(k_rows + v_rows, dim=2)  # (B, H, 2N*T, dh): keys of layers 0..N-1, then values
         head = [out]
         if self.with_comp:
-            head.append(torch.stack(comps, dim=1).reshape(hops.shape[0], t, len(comps), -1))  # (B, T, n_tim, n_s)
+            head.append(torch.stack(comps, dim=1).reshape(-1, t, len(comps), self.n_s))  # (B, T, n_tim, n_s)
         head += [activity, kv_rows]
         return tuple(head + [hops[:, -1], spec_next, *tails, ola_next, *post])
 
@@ -117,11 +119,11 @@ class StreamingStep(nn.Module):
         n_limit = 2 if cfg.rise_limit_gain > 0 else 0
         limit_state, pitch_state = post[:n_limit], post[n_limit:]
         spec_all = torch.cat([spec_delay, spec], dim=1)  # (B, L+1+T, 2F): frame t's gain applies to row t+1
-        applied = spec_all[:, 1:spec_all.shape[1] - la]  # (B, T, 2F): the rows the T gains apply to
+        applied = spec_all[:, 1:-la or None]  # (B, T, 2F): the rows the T gains apply to
         limited = net_gain
         if limit_state:  # the rise limit (`enhancer.build.model.postfilter`), carried across calls
             power = applied[..., :f] * applied[..., :f] + applied[..., f:] * applied[..., f:]
-            limited, *limit_state = rise_limit(cfg, net_gain, power, *limit_state, first=pos - la)
+            limited, *limit_state = rise_limit(cfg, net_gain, power, *limit_state, first=pos - la, frames=self.frames)
         gain = torch.maximum(self.net.sharpen(limited), min_gain[:, None, None])  # those applied to the spectrum
         # the speech activity is read from the network's gains, whatever the post-filters
         plain = cfg.gain_exponent == 1.0 and not limit_state
@@ -137,13 +139,14 @@ class StreamingStep(nn.Module):
     def _pitch_filter(self, hops, applied, gain, gain2, plain, noisy_tail, plain_tail, plain_ola):
         """The frames (B, T, n_fft) after the pitch filter, and its new state. `plain`: the frames
         without it, whose overlap-add (tail `plain_ola`) is the output its pitch estimate reads."""
-        t, hop_n = hops.shape[1], self.config.stft.hop
+        t, hop_n = self.frames or hops.shape[1], self.config.stft.hop
         noisy = torch.cat([noisy_tail, hops.flatten(1)], dim=1)  # (B, S_x + T*hop)
         out = torch.cat([plain_tail, _overlap_add(plain, plain_ola, hop_n).flatten(1)], dim=1)  # (B, S_y + T*hop)
         filtered = pitchfilter.apply(self.config, applied, gain, pitchfilter.frames_at(noisy, t, hop_n),
-                                     pitchfilter.frames_at(out, t, hop_n), _PitchConstants(self))
+                                     pitchfilter.frames_at(out, t, hop_n), _PitchConstants(self), frames=self.frames)
         frame = (filtered * gain2) @ self.inv_basis
-        state = [noisy[:, -noisy_tail.shape[1]:], out[:, -plain_tail.shape[1]:], plain[:, -1, hop_n:]]
+        keep_x, keep_y = (dict(state_specs(self.config))[name][0] for name in ("pitch_x", "pitch_y"))  # (constants)
+        state = [noisy[:, -keep_x:], out[:, -keep_y:], plain[:, -1, hop_n:]]
         return frame, state
 
 
