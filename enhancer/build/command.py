@@ -20,7 +20,7 @@ def add_export(sub) -> None:
     e.add_argument("--no-check", action="store_true", help="skip onnx.checker and the onnxruntime/torch comparison")
     e.add_argument("--fp16", action="store_true", help="store weights as float16 (half the size; computed in float32)")
     e.add_argument("--int8", action="store_true",
-                   help="dense layers in 8 bits (the large ones as onnxruntime MatMulInteger on inputs quantized row "
+                   help="dense layers in 8 bits (the large ones as onnxruntime MatMulIntegerToFloat on inputs quantized row "
                         "by row, the small ones as MatMulNBits blocks): faster steps, not bit-exact (checked: output "
                         ">= 30 dB above its difference from torch)")
     e.add_argument("--int8-rings", action="store_true",

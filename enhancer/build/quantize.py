@@ -6,16 +6,17 @@ streams and more, and in files (64 frames per call), the arithmetic counts. Two 
 where it is the faster one (measured on a Sapphire Rapids Xeon, onnxruntime 1.31, one thread):
 
 - layers of at least `ROW_INT8_MIN_WEIGHTS` weights (the pre-encoder's later convolutions, the
-  ordinary blocks' attention and FFN, the inter-mechanism layers): `MatMulInteger`, int8 weights
-  with one scale per output column, against the input quantized row by row as the step runs: each
-  row x gets the scale s = max|x| / 127 (so no stream's or frame's row depends on another's) and
-  two uint8 codes, q1 = round(x / s) and q2 = round(254 (x / s - q1)), its rounding error at
-  1/254 of the step, stacked as 2M rows of one product; out comes (Y1 + Y2 / 254) s s_w. With one
-  code the pre-encoder's later layers, whose inputs (after a LeakyReLU) hold their largest values
-  in a few channels, came 4-10 dB further from their float products on speech; with the second,
-  as close as their 8-bit weights allow. onnxruntime's 8-bit GEMM (VNNI; AMX where the CPU has
-  it) runs a 16-row product of the 3,072 x 512 pre-encoder layer in 0.05 ms, `MatMulNBits` in
-  0.46 ms.
+  ordinary blocks' attention and FFN, the inter-mechanism layers): `MatMulIntegerToFloat` (the 8-bit
+  GEMM with its scales applied in its output stage), int8 weights with one scale per output column,
+  against the input quantized row by row as the step runs: each row x gets the scale s = max|x| /
+  127 (so no stream's or frame's row depends on another's) and two uint8 codes, q1 = round(x / s)
+  and q2 = round(254 (x / s - q1)), its rounding error at 1/254 of the step, stacked as 2M rows of
+  one product whose rows are scaled by s and s / 254 and columns by s_w; out comes the sum of the
+  two halves. With one code the pre-encoder's later layers, whose inputs (after a LeakyReLU) hold
+  their largest values in a few channels, came 4-10 dB further from their float products on speech;
+  with the second, as close as their 8-bit weights allow. onnxruntime's 8-bit GEMM (VNNI; AMX where
+  the CPU has it) runs a 16-row product of the 3,072 x 512 pre-encoder layer in 0.05 ms,
+  `MatMulNBits` in 0.46 ms.
 - the smaller ones (the TIM mechanisms' layers in the live body, the projections, the output
   head) and the first dense layer (the pre-encoder's first convolution, which reads the
   log-magnitude features; one scale per weight column loses the most there): `MatMulNBits`
@@ -33,14 +34,14 @@ import numpy as np
 
 BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations x int8 weights (level 0 computes in float32, slower)
-ROW_INT8_MIN_WEIGHTS = 90_000  # dense layers with at least this many weights run on MatMulInteger
+ROW_INT8_MIN_WEIGHTS = 90_000  # dense layers with at least this many weights run on MatMulIntegerToFloat
 KEEP_FLOAT = ("fwd_basis", "inv_basis", "pitch_member", "pitch_interp", "pitch_corr_c1", "pitch_corr_c4")
 MIN_PARITY_SNR_DB = 30.0  # export check: output energy over (int8 graph - torch) energy, random audio
 
 
 def quantize_int8(proto, row_min_weights: int = ROW_INT8_MIN_WEIGHTS, keep_first: bool = True):
     """A copy of step graph `proto` with its dense layers in 8 bits: those of at least
-    `row_min_weights` weights on `MatMulInteger` with row-quantized inputs (an input that feeds
+    `row_min_weights` weights on `MatMulIntegerToFloat` with row-quantized inputs (an input that feeds
     several of them is quantized once), the others as `MatMulNBits` (bias folded in)."""
     import onnx
 
@@ -54,7 +55,7 @@ def quantize_int8(proto, row_min_weights: int = ROW_INT8_MIN_WEIGHTS, keep_first
 
 def _row_int8(proto, min_weights: int, keep_first: bool) -> int:
     """Rewrite, in place, the dense layers of `proto` with at least `min_weights` constant weights
-    (but the first, with `keep_first`) as `MatMulInteger` on row-quantized inputs; returns how many."""
+    (but the first, with `keep_first`) as `MatMulIntegerToFloat` on row-quantized inputs; returns how many."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = proto.graph
@@ -87,8 +88,11 @@ def _row_int8(proto, min_weights: int, keep_first: bool) -> int:
                 helper.make_node("Sub", [t + "x", t + "d1"], [t + "r"], name=t + "r"),
                 helper.make_node("QuantizeLinear", [t + "r", "q8/inv254", "q8/zp128"], [t + "q2"], name=t + "q2"),
                 helper.make_node("Concat", [t + "q1", t + "q2"], [t + "u8"], axis=-2, name=t + "u8"),
+                # the rows' scales: s for the first codes, s / 254 for the second
+                helper.make_node("Mul", [t + "scale", "q8/inv254"], [t + "s254"], name=t + "s254"),
+                helper.make_node("Concat", [t + "scale", t + "s254"], [t + "scales"], axis=-2, name=t + "scales"),
             ]
-            quantized[x] = (t + "u8", t + "scale")
+            quantized[x] = (t + "u8", t + "scales")
         xq, sx = quantized[x]
         wf = numpy_helper.to_array(w).astype(np.float64)
         amax = np.abs(wf).max(axis=0)
@@ -97,14 +101,11 @@ def _row_int8(proto, min_weights: int, keep_first: bool) -> int:
         t = n.name + "__q8/"
         consts += [numpy_helper.from_array(wq, w_name + "__i8"),
                    numpy_helper.from_array(sw.astype(np.float32), w_name + "__i8_scale")]
-        nodes += [
-            helper.make_node("MatMulInteger", [xq, w_name + "__i8", "q8/zp128"], [t + "i32"], name=t + "mm"),
-            helper.make_node("Cast", [t + "i32"], [t + "f2"], to=TensorProto.FLOAT, name=t + "f2"),
+        nodes += [  # both codes' rows scaled in the product's output stage, then summed
+            helper.make_node("MatMulIntegerToFloat", [xq, w_name + "__i8", sx, w_name + "__i8_scale", "q8/zp128"],
+                             [t + "f2"], name=t + "mm", domain="com.microsoft"),
             helper.make_node("Split", [t + "f2"], [t + "f1", t + "fr"], axis=-2, name=t + "split"),
-            helper.make_node("Mul", [t + "fr", "q8/inv254"], [t + "frs"], name=t + "frs"),
-            helper.make_node("Add", [t + "f1", t + "frs"], [t + "f"], name=t + "f"),
-            helper.make_node("Mul", [t + "f", w_name + "__i8_scale"], [t + "w"], name=t + "w"),
-            helper.make_node("Mul", [t + "w", sx], [n.output[0]], name=t + "x"),
+            helper.make_node("Add", [t + "f1", t + "fr"], [n.output[0]], name=t + "sum"),
         ]
         n_layers += 1
     del g.node[:]

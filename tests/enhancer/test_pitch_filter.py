@@ -251,7 +251,7 @@ def test_8bit_export_keeps_the_filter_in_float(filtered, torch_model, tmp_path):
         return list(_walk(onnx.load(str(tmp_path / name)).graph))
 
     with_filter, without = exported(filtered, "pf.onnx"), exported(torch_model, "plain.onnx")
-    count = lambda nodes: sum(n.op_type in ("MatMulNBits", "MatMulInteger") for n in nodes)  # noqa: E731
+    count = lambda nodes: sum(n.op_type in ("MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat") for n in nodes)  # noqa: E731
     assert count(with_filter) == count(without) > 0
     pitch_inputs = {i for n in with_filter for i in n.input if i.startswith("pitch_corr") or i.startswith("pitch_interp")}
     assert {"pitch_corr_c1", "pitch_corr_c4", "pitch_interp"} <= pitch_inputs

@@ -28,7 +28,7 @@ def int8_path(torch_model, tmp_path_factory):
 
 
 def _row_int8_layers(nodes, inits):
-    return [n for n in nodes if n.op_type == "MatMulInteger" and n.input[1].endswith("__i8") and n.input[1] in inits]
+    return [n for n in nodes if n.op_type == "MatMulIntegerToFloat" and n.input[1].endswith("__i8") and n.input[1] in inits]
 
 
 def test_dense_weights_become_8bit_and_the_dft_stays_float(int8_path, model_path):
@@ -37,7 +37,7 @@ def test_dense_weights_become_8bit_and_the_dft_stays_float(int8_path, model_path
     ops = [n.op_type for n in q_nodes]
     inits = {i.name: numpy_helper.to_array(i) for i in q.graph.initializer}
     # every Gemm (pre-encoder convolutions, projections, ordinary blocks, inter-mechanism attention, head):
-    # the large ones on MatMulInteger with row-quantized inputs, the others as MatMulNBits blocks
+    # the large ones on MatMulIntegerToFloat with row-quantized inputs, the others as MatMulNBits blocks
     n_gemm = sum(n.op_type == "Gemm" for n in f_nodes)
     rows, blocks = _row_int8_layers(q_nodes, inits), [n for n in q_nodes if n.op_type == "MatMulNBits"]
     assert "Gemm" not in ops and len(rows) + len(blocks) == n_gemm > 20 and rows and blocks
@@ -89,7 +89,7 @@ def test_a_row_quantized_layer_computes_what_its_8bit_arithmetic_says(rng):
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
     b = (rng.standard_normal(n) * 0.1).astype(np.float32)
     q = quantize_int8(_dense_graph(w, b), keep_first=False)
-    assert [node.op_type for node in q.graph.node].count("MatMulInteger") == 1 and k * n >= ROW_INT8_MIN_WEIGHTS
+    assert [node.op_type for node in q.graph.node].count("MatMulIntegerToFloat") == 1 and k * n >= ROW_INT8_MIN_WEIGHTS
     sess = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
     x = (rng.standard_normal((3, k)) * np.array([[1.0], [0.01], [300.0]])).astype(np.float32)
     got = sess.run(None, {"x": x})[0]
