@@ -70,9 +70,7 @@ def realtime_batch_search(budget_ms: float, start: int = 1, limit: int = 1024):
     """The search of `largest_realtime_batch` as a generator: it yields each batch to time, is sent
     that batch's p99 step time in ms, and returns (batch, {batch: p99 ms of every batch timed}), so
     that the searches of several models can take turns (`run_many`)."""
-    seen: dict[int, float] = {}
-    if start not in seen:
-        seen[start] = float((yield start))
+    seen: dict[int, float] = {start: float((yield start))}
     good, bad = (start, None) if seen[start] <= budget_ms else (0, start)
     while bad is None and good < limit:
         b = min(2 * good, limit)
@@ -136,8 +134,9 @@ def run_many(enhs: list[Enhancer], steps: int = 300, batches=None, seconds: floa
     """The measurements of several models on this machine, interleaved: every stage (a batch size,
     the paced steps, each offline size) times each model in turn before the next stage, so that a
     change in the machine's load between stages weighs on all of them alike; the searches of the
-    largest real-time batch take turns too, one batch of each model's search at a time. `progress`: a bar on stderr, one tick per
-    stage. `full_steps`, `device_pool`: the step pools' switches (`make_pool`)."""
+    largest real-time batch take turns too, one batch of each model's search at a time. `progress`:
+    a bar on stderr, one tick per stage. `full_steps`, `device_pool`: the step pools' switches
+    (`make_pool`)."""
     from tqdm import tqdm
 
     cfg = enhs[0].config
